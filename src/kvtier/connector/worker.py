@@ -1,0 +1,166 @@
+"""Worker half of the connector: copies blocks between vLLM's KV and the arena.
+
+Runs in each vLLM worker process (one per rank). Per engine step:
+
+1. ``start_load_kv`` (before the forward pass): for each planned load,
+   verify the slot (key, every rank sealed, checksum) and copy it into
+   vLLM's block; a slot that fails is a load error and vLLM recomputes it;
+2. ``wait_for_save`` (after the forward pass): copy each newly full block
+   into its slot and seal it with its checksum;
+3. ``build_connector_worker_meta``: report the step as done, with the save
+   slots that failed.
+
+The copy is synchronous: on the CPU build a block copy is a memcpy far
+shorter than the forward pass that produced it (docs/benchmarks.md measures
+the cost), and a synchronous save cannot race vLLM freeing the block.
+Errors never escape into vLLM: they become misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+
+import torch
+
+from kvtier.connector.copy import gather_blocks, scatter_blocks, slot_matrix
+from kvtier.connector.meta import StepPlan, StepReport
+from kvtier.connector.stats import KvtierStats
+from kvtier.layout import KvLayout, LayoutKind, block_major
+from kvtier.tier.dram import DramTier, checksum
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, rank: int, num_blocks: int, verify_checksums: bool = True,
+                 kind: LayoutKind | None = None) -> None:
+        self.rank = rank
+        self.num_blocks = num_blocks
+        self.verify_checksums = verify_checksums
+        self._kind = kind
+        self.layout: KvLayout | None = None
+        self._layers: list[torch.Tensor] = []
+        self._tier: DramTier | None = None
+        self._slots: torch.Tensor | None = None
+        self._load_errors: set[int] = set()
+        self._report: StepReport | None = None
+        self._stats = KvtierStats()
+        self._disabled = False
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self._kind)
+        self._layers = [block_major(kv_caches[n], self.layout.kind) for n in self.layout.layer_names]
+        log.info("kvtier: %d layers, %s layout, %d bytes per block per layer",
+                 len(self._layers), self.layout.kind.value, self.layout.layer_block_bytes)
+
+    def _attach(self, path: str) -> bool:
+        if self._tier is not None and self._tier.path == path:
+            return True
+        if self._disabled or self.layout is None:
+            return False
+        try:
+            tier = DramTier.attach(path)
+        except OSError as err:
+            log.error("kvtier: cannot attach DRAM arena %s (%s); the cache is off for this worker", path, err)
+            self._disabled = True
+            return False
+        if tier.rank_bytes < self.layout.block_bytes or self.rank >= tier.ranks:
+            log.error("kvtier: arena %s holds %d bytes for %d ranks, this worker (rank %d) needs %d; cache off",
+                      path, tier.rank_bytes, tier.ranks, self.rank, self.layout.block_bytes)
+            tier.close()
+            self._disabled = True
+            return False
+        self._tier = tier
+        region = tier._slots[:, self.rank * tier.rank_stride : self.rank * tier.rank_stride + tier.rank_bytes]
+        self._slots = slot_matrix(region, self.layout)
+        return True
+
+    # --- loads ------------------------------------------------------------
+
+    def start_load_kv(self, plan: StepPlan) -> None:
+        self._report = StepReport(done={plan.step: 1}) if (plan.loads or plan.saves) else None
+        if not plan.loads:
+            return
+        if not self._attach(plan.arena):
+            self._load_errors.update(c.block_id for c in plan.loads)
+            return
+        t0 = time.perf_counter()
+        tier = self._tier
+        good_blocks: list[int] = []
+        good_slots: list[int] = []
+        for c in plan.loads:
+            ok = False
+            if c.slot >= 0:
+                try:
+                    ok = tier.verify(c.slot, c.key, self.rank, self.verify_checksums)
+                except Exception:  # noqa: BLE001 - anything wrong is a miss
+                    log.exception("kvtier: verifying slot %d failed", c.slot)
+                if not ok and self._report is not None and tier.is_sealed(c.slot, c.key):
+                    self._report.corrupt_keys.append(c.key)
+            if ok:
+                good_blocks.append(c.block_id)
+                good_slots.append(c.slot)
+            else:
+                self._load_errors.add(c.block_id)
+        try:
+            scatter_blocks(self._layers, self.layout, good_blocks, self._slots, good_slots)
+        except Exception:  # noqa: BLE001
+            log.exception("kvtier: loading %d blocks failed; vLLM recomputes them", len(good_blocks))
+            self._load_errors.update(good_blocks)
+            good_blocks = []
+        if self._load_errors:
+            self._stats.add("load_errors", len(self._load_errors))
+        self._stats.add("blocks_loaded", len(good_blocks))
+        self._stats.add("bytes_loaded", len(good_blocks) * self.layout.block_bytes)
+        self._stats.add("load_seconds", time.perf_counter() - t0)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- saves ------------------------------------------------------------
+
+    def wait_for_save(self, plan: StepPlan) -> None:
+        if not plan.saves:
+            return
+        report = self._report
+        if not self._attach(plan.arena):
+            if report is not None:
+                report.failed_slots.extend(c.slot for c in plan.saves)
+            return
+        t0 = time.perf_counter()
+        blocks = [c.block_id for c in plan.saves]
+        slots = [c.slot for c in plan.saves]
+        try:
+            gather_blocks(self._layers, self.layout, blocks, self._slots, slots)
+            for c in plan.saves:
+                self._tier.seal(c.slot, c.key, self.rank, checksum(self._tier.rank_view(c.slot, self.rank)))
+        except Exception:  # noqa: BLE001 - a failed save is only a future miss
+            log.exception("kvtier: saving %d blocks failed", len(blocks))
+            if report is not None:
+                report.failed_slots.extend(slots)
+            self._stats.add("save_errors", len(blocks))
+            return
+        self._stats.add("blocks_saved", len(blocks))
+        self._stats.add("bytes_saved", len(blocks) * self.layout.block_bytes)
+        self._stats.add("save_seconds", time.perf_counter() - t0)
+
+    def build_report(self) -> StepReport | None:
+        report, self._report = self._report, None
+        return report
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KvtierStats()
+        return stats
+
+    def shutdown(self) -> None:
+        self._slots = None
+        if self._tier is not None:
+            self._tier.close()
+            self._tier = None
+
+

@@ -1,0 +1,205 @@
+"""DRAM tier: a pre-allocated arena of block slots in shared memory.
+
+Where it runs: created by the process that owns the index (vLLM's scheduler
+process for the embedded backend), attached by every worker process of the
+same instance through the arena's path, which travels in the connector
+metadata. All of them map the same file, so a block written by a worker is
+read by another worker without a copy through the scheduler.
+
+File layout (every offset 4 KiB aligned, so slots can feed O_DIRECT I/O
+without a bounce buffer)::
+
+    [superblock 4 KiB][slot headers, 128 B each][pad][slot 0][slot 1]...
+
+A slot header holds the key of the block in the slot, a bit per rank that
+has written its part, and one checksum per rank. Who writes what:
+
+* the index owner calls :meth:`DramTier.clear` before it hands a slot to a
+  writer and when it evicts; it never writes data;
+* a writer (a worker rank) copies its part of the block into the slot, then
+  calls :meth:`DramTier.seal`, which stores checksum, key and ready bit, in
+  that order;
+* a reader calls :meth:`DramTier.verify` after its copy: the key must match,
+  every rank must be ready and each part's checksum must hold, else the copy
+  is a miss.
+
+The file is ``posix_fallocate``-d at creation: tmpfs would otherwise hand out
+pages lazily and a full /dev/shm would kill the engine with SIGBUS on first
+touch, long after start-up said all was well.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from kvtier.errors import ConfigError
+
+_MAGIC = b"KVTDRAM1"
+_SUPER = struct.Struct("<8sIIQQQQ16s")  # magic, version, ranks, num_slots, slot_bytes, slot_stride, data_off, ns
+_PAGE = 4096
+MAX_RANKS = 8
+_HEADER = np.dtype(
+    [("key", "V16"), ("ready", "<u4"), ("epoch", "<u4"), ("checksum", "<u8", (MAX_RANKS,)), ("pad", "V40")]
+)
+assert _HEADER.itemsize == 128
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def checksum(data: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous CPU tensor's bytes (releases the GIL while hashing)."""
+    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()).cast("B"))
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    key: bytes
+    ready_mask: int
+    checksums: tuple[int, ...]
+
+
+class DramTier:
+    """Fixed-size slots in one shared-memory file.
+
+    ``rank_bytes`` is what one rank writes per block; a slot holds
+    ``ranks`` such parts, each 4 KiB aligned. Thread safety: distinct slots
+    may be used from distinct threads; one slot is written by one writer at a
+    time, which the index owner guarantees by handing it out once.
+    """
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, ranks: int, num_slots: int,
+                 rank_bytes: int, slot_stride: int, data_off: int, owner: bool) -> None:
+        self.path = path
+        self._fd = fd
+        self._mm = mm
+        self.ranks = ranks
+        self.num_slots = num_slots
+        self.rank_bytes = rank_bytes
+        self.rank_stride = _round_up(rank_bytes, _PAGE)
+        self.slot_stride = slot_stride
+        self.owner = owner
+        self._headers = np.ndarray((num_slots,), dtype=_HEADER, buffer=mm, offset=_PAGE)
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+        self._slots = base[data_off : data_off + num_slots * slot_stride].view(num_slots, slot_stride)
+
+    # --- life cycle -------------------------------------------------------
+
+    @staticmethod
+    def layout_for(capacity_bytes: int, rank_bytes: int, ranks: int) -> tuple[int, int, int]:
+        """(num_slots, slot_stride, data_off) of an arena of at most ``capacity_bytes``."""
+        slot_stride = _round_up(rank_bytes, _PAGE) * ranks
+        num_slots = capacity_bytes // (slot_stride + _HEADER.itemsize)
+        data_off = _round_up(_PAGE + num_slots * _HEADER.itemsize, _PAGE)
+        while num_slots > 0 and data_off + num_slots * slot_stride > capacity_bytes:
+            num_slots -= 1
+            data_off = _round_up(_PAGE + num_slots * _HEADER.itemsize, _PAGE)
+        return num_slots, slot_stride, data_off
+
+    @classmethod
+    def create(cls, path: str, capacity_bytes: int, rank_bytes: int, ranks: int = 1) -> DramTier:
+        """Create a new arena file of at most ``capacity_bytes`` at ``path`` (must not exist)."""
+        if not 1 <= ranks <= MAX_RANKS:
+            raise ValueError(f"ranks must be 1..{MAX_RANKS}, got {ranks}")
+        num_slots, slot_stride, data_off = cls.layout_for(capacity_bytes, rank_bytes, ranks)
+        if num_slots < 1:
+            raise ConfigError("dram_size", capacity_bytes,
+                              f"too small for one block of {rank_bytes * ranks} bytes")
+        size = data_off + num_slots * slot_stride
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, _SUPER.pack(_MAGIC, 1, ranks, num_slots, rank_bytes, slot_stride, data_off, b""), 0)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(path, fd, mm, ranks, num_slots, rank_bytes, slot_stride, data_off, owner=True)
+
+    @classmethod
+    def attach(cls, path: str) -> DramTier:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            raw = os.pread(fd, _SUPER.size, 0)
+            magic, version, ranks, num_slots, rank_bytes, slot_stride, data_off, _ = _SUPER.unpack(raw)
+            if magic != _MAGIC or version != 1:
+                raise ValueError(f"{path} is not a kvtier DRAM arena")
+            size = data_off + num_slots * slot_stride
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd, mm, ranks, num_slots, rank_bytes, slot_stride, data_off, owner=False)
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file. Views handed out must be dropped first."""
+        if self._fd < 0:
+            return
+        self._slots = None  # type: ignore[assignment]
+        self._headers = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the process
+        os.close(self._fd)
+        self._fd = -1
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    @property
+    def size_bytes(self) -> int:
+        return self.num_slots * self.slot_stride
+
+    # --- data -------------------------------------------------------------
+
+    def rank_view(self, slot: int, rank: int = 0) -> torch.Tensor:
+        """The bytes rank ``rank`` owns in ``slot`` (uint8, ``rank_bytes`` long, 4 KiB aligned)."""
+        off = rank * self.rank_stride
+        return self._slots[slot, off : off + self.rank_bytes]
+
+    # --- headers ----------------------------------------------------------
+
+    def clear(self, slot: int, key: bytes = bytes(16)) -> None:
+        """Mark ``slot`` as holding nothing readable (index owner only)."""
+        h = self._headers[slot]
+        h["ready"] = 0
+        h["key"] = np.void(key)
+
+    def seal(self, slot: int, key: bytes, rank: int, digest: int) -> None:
+        """Publish rank ``rank``'s part of ``slot`` as written, after its data."""
+        h = self._headers[slot]
+        h["checksum"][rank] = digest
+        h["key"] = np.void(key)
+        h["ready"] = int(h["ready"]) | (1 << rank)
+
+    def header(self, slot: int) -> SlotHeader:
+        h = self._headers[slot]
+        return SlotHeader(bytes(h["key"]), int(h["ready"]), tuple(int(c) for c in h["checksum"]))
+
+    def is_sealed(self, slot: int, key: bytes) -> bool:
+        h = self._headers[slot]
+        return int(h["ready"]) == (1 << self.ranks) - 1 and bytes(h["key"]) == key
+
+    def verify(self, slot: int, key: bytes, rank: int, check_data: bool = True) -> bool:
+        """True when ``slot`` holds ``key`` sealed by all ranks and, with
+        ``check_data``, rank ``rank``'s bytes still match their checksum.
+
+        Call it on a pinned slot before copying out of it: nothing rewrites a
+        pinned slot, so what was verified is what gets copied.
+        """
+        h = self._headers[slot]
+        if int(h["ready"]) != (1 << self.ranks) - 1 or bytes(h["key"]) != key:
+            return False
+        return not check_data or checksum(self.rank_view(slot, rank)) == int(h["checksum"][rank])
