@@ -143,7 +143,7 @@ class TieredStore:
                 # Evict down so that the new entries land at the low mark.
                 self._evict_to(max(0, self._low - len(new)))
             wanted = set(new)
-            pending = self._c.pending_by_step.setdefault(step, [])
+            added: list[bytes] = []
             for key in keys:
                 if key not in wanted:
                     out.append(None)
@@ -155,10 +155,14 @@ class TieredStore:
                 slot = self._free.pop()
                 self.tier.clear(slot, key)
                 self._entries[key] = _Entry(slot, EntryState.PENDING, step)
-                pending.append(key)
+                added.append(key)
                 out.append(slot)
+            self._c.pending_by_step.setdefault(step, []).extend(added)
             # Insert tail first so that the head of a prefix is evicted last.
-            for key in reversed(pending):
+            # Only this call's keys: re-inserting the whole step's list (as
+            # once done) made earlier saves of the step look newer than later
+            # ones (tests/unit/test_store.py::test_saves_in_one_step_keep_call_order).
+            for key in reversed(added):
                 self._policy.insert(key)
         return out
 

@@ -141,15 +141,20 @@ class DramTier:
         return cls(path, fd, mm, ranks, num_slots, rank_bytes, slot_stride, data_off, owner=False)
 
     def close(self) -> None:
-        """Unmap; the owner also removes the file. Views handed out must be dropped first."""
+        """Drop this tier's mapping; the owner also removes the file.
+
+        The memory is unmapped when the last view handed out (``rank_view``,
+        slot matrices) is dropped, not before. Not ``mmap.close()``: a
+        ``torch.frombuffer`` view keeps the mmap object alive but holds no
+        buffer export, so ``close()`` would unmap under a live view and its
+        next access would SIGSEGV (tests/unit/test_dram.py::
+        test_view_outlives_close pins this).
+        """
         if self._fd < 0:
             return
         self._slots = None  # type: ignore[assignment]
         self._headers = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # a view is still alive; the mapping goes with the process
+        self._mm = None  # type: ignore[assignment]
         os.close(self._fd)
         self._fd = -1
         if self.owner:

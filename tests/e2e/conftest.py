@@ -1,0 +1,67 @@
+"""Real vLLM CPU servers with a small model built on the spot.
+
+Servers are module-scoped and run one at a time (the machine has 2 cores).
+Prompts are token-id lists, so their lengths are exact.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtier.tools.model import build_model
+from kvtier.tools.server import ServerOptions, VllmServer
+
+BLOCK = 64
+DEVICE_BLOCKS = 40  # a device cache of 2,560 tokens: too small for the working set
+CHUNK = 512  # prefill chunk, shorter than every long prompt here
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_cache_dir: Path) -> str:
+    return str(build_model("tiny", cache_dir=model_cache_dir))
+
+
+def server_options(model: str, kvtier: dict | None, **kw: object) -> ServerOptions:
+    # float32: a cold prefill and a cache hit give bit-identical logits, so
+    # outputs can be compared across servers (see docs/architecture.md).
+    base = dict(model=model, kvtier=kvtier, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS,
+                max_num_batched_tokens=CHUNK, dtype="float32")
+    base.update(kw)
+    return ServerOptions(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def kvtier_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("logs") / "vllm-kvtier.log"
+    with VllmServer(server_options(tiny_model, {"dram_size": "256MB"}), log_path=log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("logs") / "vllm-plain.log"
+    with VllmServer(server_options(tiny_model, None), log_path=log) as srv:
+        yield srv
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 900) for _ in range(n)]
+
+
+def complete(srv: VllmServer, prompt: list[int], max_tokens: int = 12) -> dict:
+    r = httpx.post(srv.url + "/v1/completions",
+                   json={"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0},
+                   timeout=600)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return {"text": body["choices"][0]["text"], "usage": body["usage"]}
+
+
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)

@@ -1,0 +1,126 @@
+"""The connector inside a real vLLM CPU engine: hits, identical outputs, recompute on corruption."""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvtier.tools.server import ServerError, VllmServer
+from tests.e2e.conftest import BLOCK, complete, delta, server_options, tokens
+
+pytestmark = pytest.mark.e2e
+
+EXT_HITS = "vllm:external_prefix_cache_hits_total"
+HOST = 'vllm:prompt_tokens_cached_by_source_total{source="host"}'
+DEVICE = 'vllm:prompt_tokens_cached_by_source_total{source="device"}'
+
+
+def push_out_of_device_cache(srv, seed: int) -> None:
+    """Three 1,500-token prompts: together more than the device cache holds."""
+    for i in range(3):
+        complete(srv, tokens(seed + i, 1500), max_tokens=2)
+
+
+def test_evicted_prefix_is_loaded_from_dram_and_output_matches_device_hit(kvtier_server):
+    a = tokens(1, 24 * BLOCK)  # exactly 24 full blocks: the last one must still be computed
+    complete(kvtier_server, a)  # cold: kvtier saves A's blocks
+    device_hit = complete(kvtier_server, a)  # served from vLLM's own prefix cache
+    assert device_hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 23 * BLOCK
+
+    push_out_of_device_cache(kvtier_server, seed=100)
+    before = kvtier_server.metrics()
+    again = complete(kvtier_server, a)
+    after = kvtier_server.metrics()
+
+    assert delta(after, before, DEVICE) == 0, "A was meant to be gone from the device cache"
+    ext = delta(after, before, EXT_HITS)
+    assert ext >= 0.9 * 24 * BLOCK
+    assert ext <= 23 * BLOCK  # never the whole prompt
+    assert delta(after, before, HOST) == ext
+    assert delta(after, before, "kvtier_blocks_loaded_total") == ext // BLOCK
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == ext
+    assert again["text"] == device_hit["text"]
+
+
+def test_concurrent_shared_prefixes_match_vllm_alone(kvtier_server, plain_server):
+    prefixes = [tokens(200, 10 * BLOCK), tokens(201, 10 * BLOCK)]
+    prompts = [prefixes[i % 2] + tokens(300 + i, 100 + 7 * i) for i in range(8)]
+
+    def run(srv) -> list[str]:
+        # Warm: each prefix once, then push it out of the device cache, so
+        # that with kvtier the concurrent requests load it from DRAM.
+        for p in prefixes:
+            complete(srv, p + tokens(400, 50), max_tokens=2)
+        push_out_of_device_cache(srv, seed=500)
+        with ThreadPoolExecutor(8) as pool:
+            return [r["text"] for r in pool.map(lambda p: complete(srv, p, max_tokens=16), prompts)]
+
+    before = kvtier_server.metrics()
+    with_kvtier = run(kvtier_server)
+    after = kvtier_server.metrics()
+    alone = run(plain_server)
+
+    assert delta(after, before, EXT_HITS) > 0
+    assert with_kvtier == alone
+
+
+def test_corrupt_dram_block_is_recomputed_not_served(kvtier_server):
+    a = tokens(7, 20 * BLOCK)
+    first = complete(kvtier_server, a)
+    push_out_of_device_cache(kvtier_server, seed=700)
+    # Flip one byte in the data of every slot in use: the connector must
+    # notice (checksum) and let vLLM recompute.
+    arenas = [f for f in os.listdir("/dev/shm") if f.startswith("kvtier-dram-")]
+    path = next(os.path.join("/dev/shm", f) for f in arenas if _arena_of(kvtier_server, f))
+    _flip_slot_bytes(path)
+    before = kvtier_server.metrics()
+    again = complete(kvtier_server, a)
+    after = kvtier_server.metrics()
+    assert delta(after, before, "kvtier_load_errors_total") > 0
+    assert delta(after, before, "kvtier_corrupt_blocks_total") > 0
+    assert again["text"] == first["text"]
+    # The corrupt blocks were dropped; the recompute saved good ones, which now hit.
+    push_out_of_device_cache(kvtier_server, seed=800)
+    before = kvtier_server.metrics()
+    third = complete(kvtier_server, a)
+    after = kvtier_server.metrics()
+    assert delta(after, before, EXT_HITS) > 0
+    assert third["text"] == first["text"]
+
+
+def _arena_of(srv, name: str) -> bool:
+    m = re.search(r"kvtier: DRAM tier (\S+?),", srv.log_text())
+    return m is not None and m.group(1).endswith(name)
+
+
+def _flip_slot_bytes(path: str) -> None:
+    from kvtier.tier.dram import DramTier
+
+    tier = DramTier.attach(path)
+    try:
+        for slot in range(tier.num_slots):
+            if tier.header(slot).ready_mask:
+                view = tier.rank_view(slot, 0)
+                view[100] ^= 0xFF
+    finally:
+        tier.close()
+
+
+def test_bad_config_stops_startup_with_one_clear_line(tiny_model, tmp_path):
+    opts = server_options(tiny_model, {"dram_size": "lots"})
+    srv = VllmServer(opts, log_path=tmp_path / "bad.log", startup_timeout_s=240)
+    with pytest.raises(ServerError):
+        srv.start()
+    srv.stop()
+    text = srv.log_text()
+    assert "kvtier config error: kv_connector_extra_config: dram_size = 'lots'" in text
+
+    opts = server_options(tiny_model, {"dram_size": "64MB", "colour": "blue"})
+    srv = VllmServer(opts, log_path=tmp_path / "bad2.log", startup_timeout_s=240)
+    with pytest.raises(ServerError):
+        srv.start()
+    srv.stop()
+    assert "kv_connector_extra_config: colour = 'blue': unknown key" in srv.log_text()
