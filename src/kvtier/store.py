@@ -85,7 +85,10 @@ class TieredStore:
         if not 0 < low_pct < high_pct <= 100:
             raise ValueError(f"need 0 < low ({low_pct}) < high ({high_pct}) <= 100")
         self.tier = tier
-        self._policy = policy or LruPolicy()
+        # Not ``policy or LruPolicy()``: an empty policy has len 0 and is falsy,
+        # so a caller's policy would be silently replaced
+        # (tests/unit/test_store.py::test_policy_order_after_saves_and_lookups).
+        self._policy = policy if policy is not None else LruPolicy()
         self._entries: dict[bytes, _Entry] = {}
         self._free: list[int] = list(range(tier.num_slots - 1, -1, -1))
         self._high = max(1, int(tier.num_slots * high_pct / 100))

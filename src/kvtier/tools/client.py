@@ -1,0 +1,120 @@
+"""A small streaming client for OpenAI-compatible servers: TTFT and friends.
+
+Runs in the demo, tests and benchmarks. :func:`stream_chat` and
+:func:`stream_completion` send one streaming request and return a
+:class:`RequestResult`; time to first token is measured from just before the
+request is sent to the first chunk that carries generated text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvtier.tools.server import parse_metrics
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def _stream(client: httpx.Client, url: str, body: dict, timeout_s: float) -> RequestResult:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    res = RequestResult(ok=False)
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        with client.stream("POST", url, json=body, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                r.read()
+                res.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                return res
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data.strip() == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                    if piece:
+                        now = time.perf_counter()
+                        if not res.text:
+                            res.ttft_s = now - t0
+                        else:
+                            res.itl_s.append(now - last)
+                        last = now
+                        res.text += piece
+                usage = chunk.get("usage")
+                if usage:
+                    res.prompt_tokens = usage.get("prompt_tokens", 0)
+                    res.completion_tokens = usage.get("completion_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        res.error = f"{type(err).__name__}: {err}"
+        return res
+    res.e2e_s = time.perf_counter() - t0
+    res.ok = bool(res.text) or res.completion_tokens > 0
+    if not res.ok:
+        res.error = "stream ended without output"
+    return res
+
+
+def stream_chat(client: httpx.Client, base_url: str, messages: list[dict], max_tokens: int = 16,
+                model: str = "model", timeout_s: float = 600.0, **params: object) -> RequestResult:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, **params}
+    return _stream(client, base_url + "/v1/chat/completions", body, timeout_s)
+
+
+def stream_completion(client: httpx.Client, base_url: str, prompt: str | list[int], max_tokens: int = 16,
+                      model: str = "model", timeout_s: float = 600.0, **params: object) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **params}
+    return _stream(client, base_url + "/v1/completions", body, timeout_s)
+
+
+@dataclass(frozen=True)
+class HitRates:
+    """Prefix-cache hit rates over an interval, from vLLM's counters.
+
+    h1: device prefix cache; h2: external (kvtier) over what the device
+    missed; h_all = h1 + (1 - h1) * h2. ``by_source`` counts cached prompt
+    tokens per source (device, host, disk, ...).
+    """
+
+    h1: float
+    h2: float
+    queries: float
+    by_source: dict[str, float]
+
+    @property
+    def h_all(self) -> float:
+        return self.h1 + (1 - self.h1) * self.h2
+
+
+def hit_rates(before: dict[str, float], after: dict[str, float]) -> HitRates:
+    def d(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    q1, hits1 = d("vllm:prefix_cache_queries_total"), d("vllm:prefix_cache_hits_total")
+    q2, hits2 = d("vllm:external_prefix_cache_queries_total"), d("vllm:external_prefix_cache_hits_total")
+    prefix = 'vllm:prompt_tokens_cached_by_source_total{source="'
+    by_source = {k[len(prefix):-2]: d(k) for k in after if k.startswith(prefix)}
+    return HitRates(hits1 / q1 if q1 else 0.0, hits2 / q2 if q2 else 0.0, q1, by_source)
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)
