@@ -206,6 +206,14 @@ class TieredStore:
                     n += 1
         return n
 
+    def clear(self) -> int:
+        """Drop every unpinned READY entry (an operator's reset). Returns how many."""
+        with self._lock:
+            keys = [k for k, e in self._entries.items() if e.pins == 0 and e.state is EntryState.READY]
+            for key in keys:
+                self._drop(key, self._entries[key])
+        return len(keys)
+
     # --- eviction ---------------------------------------------------------
 
     def _evict_to(self, target: int) -> None:

@@ -174,6 +174,13 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        if self._scheduler is None:
+            return None
+        n = self._scheduler.store.clear()
+        log.info("kvtier: reset dropped %d blocks", n)
+        return True
+
     # --- worker side ------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -62,7 +62,7 @@ class WorkerSide:
             return False
         try:
             tier = DramTier.attach(path)
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - a missing or foreign file turns the cache off
             log.error("kvtier: cannot attach DRAM arena %s (%s); the cache is off for this worker", path, err)
             self._disabled = True
             return False

@@ -165,8 +165,36 @@ class VllmServer:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
 
-    def reset_prefix_cache(self) -> None:
-        httpx.post(self.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    def reset_prefix_cache(self, external: bool = False) -> None:
+        """Empty vLLM's device prefix cache (and kvtier's pool with ``external``)."""
+        params = {"reset_external": "true"} if external else {}
+        httpx.post(self.url + "/reset_prefix_cache", params=params, timeout=30).raise_for_status()
+
+    def pids(self) -> list[int]:
+        """The server's processes (it runs in a session of its own)."""
+        sid = self.proc.pid
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.getsid(int(entry)) == sid:
+                        out.append(int(entry))
+                except OSError:
+                    pass
+        return out
+
+    def pss_bytes(self) -> int:
+        """Proportional set size of all the server's processes: shared pages counted once."""
+        total = 0
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    for line in f:
+                        if line.startswith("Pss:"):
+                            total += int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        return total
 
 
 _METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")

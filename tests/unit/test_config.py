@@ -1,0 +1,153 @@
+"""kvtier.config: sizes, the connector's extra config, and the memory check."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.config import (
+    Backend,
+    KvtierConfig,
+    known_connector_keys,
+    parse_connector_config,
+    parse_size,
+)
+from kvtier.errors import ConfigError, KvtierError
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("2GB", 2 << 30),  # units are binary with or without the "i"
+        ("512MiB", 512 << 20),
+        ("1.5g", 3 << 29),
+        (4096, 4096),
+        ("4096", 4096),
+        (" 64 kb ", 64 << 10),
+        ("1T", 1 << 40),
+        (8192.0, 8192),
+    ],
+)
+def test_parse_size_accepts(value: object, expected: int) -> None:
+    assert parse_size("dram_size", value) == expected
+
+
+@pytest.mark.parametrize("value", ["abc", -1, 0, True, False, "", "2XB", "-5MB", 1.5, None, [1]])
+def test_parse_size_refuses_and_names_key_and_value(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_size("dram_size", value, "somewhere")
+    err = info.value
+    assert isinstance(err, KvtierError) and isinstance(err, ValueError)
+    assert err.key == "dram_size"
+    assert err.value == value
+    msg = str(err)
+    assert "dram_size" in msg
+    assert repr(value) in msg
+    assert "somewhere" in msg
+    assert "\n" not in msg
+
+
+def test_defaults() -> None:
+    cfg = parse_connector_config(None, check_memory=False)
+    assert cfg == KvtierConfig()
+    assert cfg.backend is Backend.EMBEDDED
+    assert cfg.dram_size_bytes == 1 << 30
+    assert (cfg.evict_threshold_high, cfg.evict_threshold_low) == (95.0, 85.0)
+    assert cfg.verify_checksums is True
+    assert cfg.shm_dir == "/dev/shm"
+    assert cfg.model_id == ""
+    assert parse_connector_config({}, check_memory=False) == cfg
+
+
+def test_every_key_parsed() -> None:
+    cfg = parse_connector_config(
+        {
+            "backend": "Embedded",
+            "dram_size": "3MiB",
+            "evict_threshold_high": "90%",
+            "evict_threshold_low": 50,
+            "verify_checksums": "off",
+            "shm_dir": " /tmp ",
+            "model_id": "org/model",
+        },
+        check_memory=False,
+    )
+    assert cfg == KvtierConfig(Backend.EMBEDDED, 3 << 20, 90.0, 50.0, False, "/tmp", "org/model")
+
+
+def test_config_is_frozen() -> None:
+    cfg = KvtierConfig()
+    with pytest.raises(AttributeError):
+        cfg.dram_size_bytes = 1  # type: ignore[misc]
+
+
+def test_unknown_key_names_it_and_lists_known_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config({"dram_size": "1GB", "dram_sise": "2GB"}, check_memory=False)
+    err = info.value
+    assert err.key == "dram_sise"
+    assert err.value == "2GB"
+    msg = str(err)
+    assert "dram_sise" in msg
+    assert "kv_connector_extra_config" in msg
+    for key in known_connector_keys():
+        assert key in msg
+    assert set(known_connector_keys()) >= {"dram_size", "evict_threshold_high", "evict_threshold_low"}
+
+
+def test_bad_dram_size_is_refused_with_the_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config({"dram_size": "lots"}, check_memory=False)
+    assert info.value.key == "dram_size"
+    assert info.value.value == "lots"
+    assert "kv_connector_extra_config" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"evict_threshold_low": 95},  # equal to the default high
+        {"evict_threshold_low": 99},
+        {"evict_threshold_high": 50, "evict_threshold_low": 50},
+        {"evict_threshold_high": "60", "evict_threshold_low": "70"},
+    ],
+)
+def test_low_threshold_must_be_below_high(extra: dict) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config(extra, check_memory=False)
+    err = info.value
+    assert err.key == "evict_threshold_low"
+    assert "evict_threshold_high" in str(err)
+    assert "kv_connector_extra_config" in str(err)
+
+
+@pytest.mark.parametrize(("key", "value"), [("evict_threshold_high", 0), ("evict_threshold_high", 101),
+                                            ("evict_threshold_low", "x"), ("evict_threshold_low", True),
+                                            ("verify_checksums", "maybe"), ("backend", "redis"),
+                                            ("shm_dir", ""), ("model_id", 3)])
+def test_other_bad_values_name_their_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config({key: value}, check_memory=False)
+    assert info.value.key == key
+    assert repr(value) in str(info.value)
+
+
+def test_dram_size_larger_than_free_memory_refused() -> None:
+    extra = {"dram_size": "100TB"}
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config(extra, check_memory=True)
+    assert info.value.key == "dram_size"
+    assert "free" in str(info.value)
+    # Without the check the same size is only parsed.
+    assert parse_connector_config(extra, check_memory=False).dram_size_bytes == 100 << 40
+
+
+def test_small_dram_size_passes_memory_check() -> None:
+    assert parse_connector_config({"dram_size": "1MiB"}).dram_size_bytes == 1 << 20
+
+
+def test_missing_shm_dir_refused_by_memory_check(tmp_path) -> None:
+    missing = str(tmp_path / "absent")
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config({"dram_size": "1MiB", "shm_dir": missing})
+    assert info.value.key == "shm_dir"
+    assert info.value.value == missing

@@ -1,0 +1,319 @@
+"""kvtier.tier.dram: the shared-memory arena, its headers and its life cycle."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.tier import DramTier
+from kvtier.tier.dram import MAX_RANKS, checksum
+
+PAGE = 4096
+KEY_A = bytes(range(16))
+KEY_B = bytes(range(16, 32))
+
+
+def _fill(view: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (view.numel(),), dtype=torch.uint8, generator=g)
+    view.copy_(data)
+    return data
+
+
+def _seal(tier: DramTier, slot: int, key: bytes, rank: int) -> None:
+    tier.seal(slot, key, rank, checksum(tier.rank_view(slot, rank)))
+
+
+# --- geometry -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank_bytes", [1, 4096, 4097, 10_000])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("capacity", [3 * PAGE, 100_000, 1 << 20, (1 << 20) + 123])
+def test_layout_for_fits_capacity_and_is_page_aligned(capacity: int, rank_bytes: int, ranks: int,
+                                                      capacity_for) -> None:
+    num_slots, slot_stride, data_off = DramTier.layout_for(capacity, rank_bytes, ranks)
+    assert slot_stride == -(-rank_bytes // PAGE) * PAGE * ranks
+    assert slot_stride % PAGE == 0
+    assert data_off % PAGE == 0
+    assert data_off >= PAGE + 128 * num_slots  # superblock and headers before the data
+    if num_slots:
+        assert data_off + num_slots * slot_stride <= capacity
+    # As many slots as fit: one more would not.
+    assert capacity_for(num_slots + 1, rank_bytes, ranks) > capacity
+
+
+@pytest.mark.parametrize("num_slots", [1, 20, 31, 32, 33, 100])
+def test_layout_for_exact_capacity(num_slots: int, capacity_for) -> None:
+    cap = capacity_for(num_slots, 4096)
+    assert DramTier.layout_for(cap, 4096, 1)[0] == num_slots
+    assert DramTier.layout_for(cap - 1, 4096, 1)[0] == num_slots - 1
+
+
+def test_create_geometry_and_preallocation(make_tier, shm_path: str, capacity_for) -> None:
+    tier = make_tier(capacity_for(5, 5000, 2), 5000, ranks=2)
+    assert (tier.num_slots, tier.ranks, tier.rank_bytes) == (5, 2, 5000)
+    assert tier.rank_stride == 2 * PAGE
+    assert tier.slot_stride == 4 * PAGE
+    assert tier.size_bytes == 5 * 4 * PAGE
+    st = os.stat(shm_path)
+    assert st.st_size == capacity_for(5, 5000, 2)
+    assert st.st_mode & 0o777 == 0o600
+    # posix_fallocate: every page is backed now, not on first touch.
+    assert st.st_blocks * 512 >= st.st_size
+
+
+def test_rank_views_are_aligned_sized_and_disjoint(make_tier, capacity_for) -> None:
+    tier = make_tier(capacity_for(4, 5000, 3), 5000, ranks=3)
+    for slot in range(tier.num_slots):
+        for rank in range(tier.ranks):
+            view = tier.rank_view(slot, rank)
+            assert view.dtype == torch.uint8
+            assert view.shape == (5000,)
+            assert view.is_contiguous()
+            assert view.data_ptr() % PAGE == 0
+            view.fill_(1 + slot * tier.ranks + rank)
+    for slot in range(tier.num_slots):
+        for rank in range(tier.ranks):
+            assert torch.all(tier.rank_view(slot, rank) == 1 + slot * tier.ranks + rank)
+
+
+def test_create_refuses_existing_path(make_tier, shm_path: str) -> None:
+    tier = make_tier(1 << 16, 4096)
+    tier.rank_view(0).fill_(7)
+    with pytest.raises(FileExistsError):
+        DramTier.create(shm_path, 1 << 16, 4096)
+    # The existing arena is untouched.
+    other = DramTier.attach(shm_path)
+    try:
+        assert torch.all(other.rank_view(0) == 7)
+    finally:
+        other.close()
+
+
+def test_create_refuses_existing_foreign_file(shm_path: str) -> None:
+    with open(shm_path, "wb") as f:
+        f.write(b"not mine")
+    with pytest.raises(FileExistsError):
+        DramTier.create(shm_path, 1 << 16, 4096)
+    with open(shm_path, "rb") as f:
+        assert f.read() == b"not mine"
+
+
+def test_capacity_too_small_is_config_error(shm_path: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        DramTier.create(shm_path, 2 * PAGE, 4096)
+    assert info.value.key == "dram_size"
+    assert info.value.value == 2 * PAGE
+    assert not os.path.exists(shm_path)
+
+
+@pytest.mark.parametrize("ranks", [0, MAX_RANKS + 1])
+def test_rank_count_out_of_range(shm_path: str, ranks: int) -> None:
+    with pytest.raises(ValueError):
+        DramTier.create(shm_path, 1 << 20, 4096, ranks)
+    assert not os.path.exists(shm_path)
+
+
+def test_attach_refuses_foreign_file(shm_path: str) -> None:
+    with open(shm_path, "wb") as f:
+        f.write(b"\0" * PAGE)
+    with pytest.raises(ValueError):
+        DramTier.attach(shm_path)
+
+
+# --- headers ----------------------------------------------------------------
+
+
+def test_fresh_slot_is_not_sealed(make_tier) -> None:
+    tier = make_tier(1 << 16, 4096)
+    assert tier.header(0).ready_mask == 0
+    assert not tier.is_sealed(0, KEY_A)
+    assert not tier.verify(0, KEY_A, 0)
+    # An all-zero key must not read as sealed on a fresh slot either.
+    assert not tier.verify(0, bytes(16), 0, check_data=False)
+
+
+def test_seal_then_verify(make_tier) -> None:
+    tier = make_tier(1 << 16, 4096)
+    _fill(tier.rank_view(3), seed=1)
+    digest = checksum(tier.rank_view(3))
+    tier.seal(3, KEY_A, 0, digest)
+    h = tier.header(3)
+    assert h.key == KEY_A
+    assert h.ready_mask == 1
+    assert h.checksums[0] == digest
+    assert tier.is_sealed(3, KEY_A)
+    assert tier.verify(3, KEY_A, 0)
+    # Other slots are not affected.
+    assert tier.header(2).ready_mask == 0 and tier.header(4).ready_mask == 0
+
+
+def test_verify_fails_on_key_mismatch(make_tier) -> None:
+    tier = make_tier(1 << 16, 4096)
+    _fill(tier.rank_view(0), seed=2)
+    _seal(tier, 0, KEY_A, 0)
+    assert not tier.is_sealed(0, KEY_B)
+    assert not tier.verify(0, KEY_B, 0)
+    assert not tier.verify(0, KEY_B, 0, check_data=False)
+
+
+def test_verify_needs_every_rank(make_tier, capacity_for) -> None:
+    tier = make_tier(capacity_for(2, 4096, 2), 4096, ranks=2)
+    _fill(tier.rank_view(1, 0), seed=3)
+    _fill(tier.rank_view(1, 1), seed=4)
+    _seal(tier, 1, KEY_A, 0)
+    assert tier.header(1).ready_mask == 0b01
+    assert not tier.is_sealed(1, KEY_A)
+    assert not tier.verify(1, KEY_A, 0)
+    assert not tier.verify(1, KEY_A, 1)
+    _seal(tier, 1, KEY_A, 1)
+    assert tier.header(1).ready_mask == 0b11
+    assert tier.is_sealed(1, KEY_A)
+    assert tier.verify(1, KEY_A, 0) and tier.verify(1, KEY_A, 1)
+
+
+def test_verify_fails_on_flipped_byte(make_tier, capacity_for) -> None:
+    tier = make_tier(capacity_for(2, 4096, 2), 4096, ranks=2)
+    for rank in range(2):
+        _fill(tier.rank_view(0, rank), seed=10 + rank)
+        _seal(tier, 0, KEY_A, rank)
+    assert tier.verify(0, KEY_A, 1)
+    view = tier.rank_view(0, 1)
+    view[1234] ^= 0x01
+    assert not tier.verify(0, KEY_A, 1)
+    assert tier.verify(0, KEY_A, 1, check_data=False)  # headers alone still hold
+    assert tier.is_sealed(0, KEY_A)
+    assert tier.verify(0, KEY_A, 0)  # the other rank's part is intact
+    view[1234] ^= 0x01
+    assert tier.verify(0, KEY_A, 1)
+
+
+def test_checksum_covers_the_last_byte(make_tier) -> None:
+    tier = make_tier(1 << 16, 5000)
+    _fill(tier.rank_view(0), seed=5)
+    _seal(tier, 0, KEY_A, 0)
+    tier.rank_view(0)[4999] ^= 0x80
+    assert not tier.verify(0, KEY_A, 0)
+
+
+def test_clear_unpublishes(make_tier) -> None:
+    tier = make_tier(1 << 16, 4096)
+    _fill(tier.rank_view(0), seed=6)
+    _seal(tier, 0, KEY_A, 0)
+    tier.clear(0, KEY_B)
+    h = tier.header(0)
+    assert h.ready_mask == 0
+    assert h.key == KEY_B
+    assert not tier.is_sealed(0, KEY_B) and not tier.is_sealed(0, KEY_A)
+    assert not tier.verify(0, KEY_B, 0) and not tier.verify(0, KEY_A, 0)
+    tier.clear(0)
+    assert tier.header(0).key == bytes(16)
+    # Sealing again after a clear publishes the new contents.
+    _seal(tier, 0, KEY_B, 0)
+    assert tier.verify(0, KEY_B, 0)
+
+
+# --- two processes ----------------------------------------------------------
+
+_CHILD = textwrap.dedent("""
+    import sys
+    import torch
+    from kvtier.tier import DramTier
+    from kvtier.tier.dram import checksum
+
+    path, expect = sys.argv[1], bytes.fromhex(sys.argv[2])
+    tier = DramTier.attach(path)
+    assert not tier.owner
+    print(tier.num_slots, tier.ranks, tier.rank_bytes, tier.slot_stride)
+    key_a, key_b = bytes(range(16)), bytes(range(16, 32))
+    # What the parent wrote and sealed is visible and verifies here.
+    assert tier.verify(1, key_a, 0), tier.header(1)
+    assert bytes(tier.rank_view(1).numpy()[:64]) == expect
+    # Write slot 2 for the parent to read.
+    view = tier.rank_view(2)
+    view.copy_(torch.arange(view.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
+    tier.seal(2, key_b, 0, checksum(view))
+    del view
+    tier.close()
+    print("ok")
+""")
+
+
+def test_two_processes_share_the_arena(make_tier, shm_path: str, capacity_for) -> None:
+    tier = make_tier(capacity_for(4, 6000), 6000)
+    data = _fill(tier.rank_view(1), seed=7)
+    _seal(tier, 1, KEY_A, 0)
+    out = subprocess.run([sys.executable, "-c", _CHILD, shm_path, bytes(data[:64].numpy()).hex()],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0].split() == [str(v) for v in (4, 1, 6000, 2 * PAGE)]
+    assert lines[1] == "ok"
+    # The child's write and seal are visible here, and its close left the file.
+    assert os.path.exists(shm_path)
+    assert tier.verify(2, KEY_B, 0)
+    expected = torch.arange(6000, dtype=torch.int64).remainder(251).to(torch.uint8)
+    assert torch.equal(tier.rank_view(2), expected)
+    assert torch.equal(tier.rank_view(1), data)
+
+
+# --- life cycle -------------------------------------------------------------
+
+
+def test_owner_close_unlinks_attached_close_does_not(shm_path: str) -> None:
+    owner = DramTier.create(shm_path, 1 << 16, 4096)
+    try:
+        owner.rank_view(0).fill_(9)
+        attached = DramTier.attach(shm_path)
+        assert attached.owner is False and owner.owner is True
+        assert torch.all(attached.rank_view(0) == 9)
+        attached.close()
+        attached.close()  # idempotent
+        assert os.path.exists(shm_path)
+        assert torch.all(owner.rank_view(0) == 9)  # the owner's mapping is unaffected
+    finally:
+        owner.close()
+    assert not os.path.exists(shm_path)
+    owner.close()  # idempotent
+
+
+def _mapped(path: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(path in line for line in f)
+
+
+def test_close_without_views_unmaps(shm_path: str) -> None:
+    tier = DramTier.create(shm_path, 1 << 16, 4096)
+    assert _mapped(shm_path)
+    tier.close()
+    assert not _mapped(shm_path)
+
+
+_OUTLIVE = textwrap.dedent("""
+    import os, sys
+    from kvtier.tier import DramTier
+    path = sys.argv[1]
+    tier = DramTier.create(path, 1 << 16, 4096)
+    view = tier.rank_view(0)
+    view.fill_(5)
+    tier.close()
+    assert not os.path.exists(path)
+    view[0] = 6  # the mapping lives as long as the view
+    print(int(view[0]), int(view[1]))
+""")
+
+
+def test_view_outlives_close(shm_path: str) -> None:
+    # In a child: before the fix, mmap.close() unmapped under the live view
+    # and this access died with SIGSEGV.
+    out = subprocess.run([sys.executable, "-c", _OUTLIVE, shm_path], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr)
+    assert out.stdout.split() == ["6", "5"]

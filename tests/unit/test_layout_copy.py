@@ -1,0 +1,237 @@
+"""kvtier.layout and kvtier.connector.copy: layouts, and blocks through a real arena.
+
+The round trip builds random KV tensors in each layout, gathers blocks into
+a slot matrix over one rank's region of a DramTier (as the worker does),
+zeroes them, scatters them back and compares bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.connector.copy import gather_blocks, scatter_blocks, slot_matrix
+from kvtier.layout import KvLayout, LayoutKind, block_major, detect_kind, kv_bytes_per_token
+from kvtier.tier import DramTier
+from kvtier.tier.dram import checksum
+
+NUM_BLOCKS = 8
+BLOCK_TOKENS = 4
+HEADS = 3
+HEAD_SIZE = 5  # 120 elements a block: layer parts need padding to 64 bytes
+
+
+def shape_of(kind: LayoutKind, num_blocks: int = NUM_BLOCKS) -> tuple[int, ...]:
+    if kind is LayoutKind.FLASH:
+        return (2, num_blocks, BLOCK_TOKENS, HEADS, HEAD_SIZE)
+    return (num_blocks, HEADS, BLOCK_TOKENS, 2 * HEAD_SIZE)
+
+
+def random_kv(kind: LayoutKind, dtype: torch.dtype, layers: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random bit patterns (NaNs and infinities included) so only a bit-exact copy passes."""
+    g = torch.Generator().manual_seed(seed)
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]
+    info = torch.iinfo(bits)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randint(info.min, info.max, shape_of(kind), dtype=bits,
+                                                          generator=g).view(dtype)
+        for i in range(layers)
+    }
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+# --- detect_kind ------------------------------------------------------------
+
+
+def test_detect_cpu_shape() -> None:
+    shape = shape_of(LayoutKind.CPU)
+    assert detect_kind(shape, NUM_BLOCKS, "cpu") is LayoutKind.CPU
+    assert detect_kind(shape, NUM_BLOCKS, "cuda") is LayoutKind.BLOCKS_FIRST
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_detect_flash_shape(device_type: str) -> None:
+    assert detect_kind(shape_of(LayoutKind.FLASH), NUM_BLOCKS, device_type) is LayoutKind.FLASH
+
+
+def test_detect_flashinfer_blocks_first() -> None:
+    shape = (NUM_BLOCKS, 2, BLOCK_TOKENS, HEADS, HEAD_SIZE)
+    assert detect_kind(shape, NUM_BLOCKS, "cuda") is LayoutKind.BLOCKS_FIRST
+
+
+def test_ambiguous_shape_refused() -> None:
+    # Two blocks: (2, 2, ...) reads as blocks-first and as flash.
+    with pytest.raises(ValueError, match="ambiguous"):
+        detect_kind((2, 2, BLOCK_TOKENS, HEADS, HEAD_SIZE), 2, "cpu")
+
+
+def test_shape_without_block_dimension_refused() -> None:
+    with pytest.raises(ValueError):
+        detect_kind((3, 7, BLOCK_TOKENS, HEADS, HEAD_SIZE), NUM_BLOCKS, "cpu")
+    with pytest.raises(ValueError):
+        detect_kind((NUM_BLOCKS + 1,), NUM_BLOCKS, "cpu")
+
+
+def test_block_dims() -> None:
+    assert LayoutKind.CPU.block_dim == 0
+    assert LayoutKind.BLOCKS_FIRST.block_dim == 0
+    assert LayoutKind.FLASH.block_dim == 1
+
+
+# --- KvLayout -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.CPU, LayoutKind.FLASH])
+@pytest.mark.parametrize(("dtype", "stride"), [(torch.bfloat16, 256), (torch.float32, 512)])
+def test_from_kv_caches(kind: LayoutKind, dtype: torch.dtype, stride: int) -> None:
+    kv = random_kv(kind, dtype, layers=3, seed=0)
+    layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
+    assert layout.kind is kind
+    assert layout.layer_names == tuple(kv)
+    assert layout.dtype == dtype
+    per_block = 2 * BLOCK_TOKENS * HEADS * HEAD_SIZE
+    assert layout.layer_block_bytes == per_block * dtype.itemsize
+    assert layout.layer_stride == stride  # 240 -> 256, 480 -> 512
+    assert layout.layer_stride % 64 == 0
+    assert layout.block_bytes == 3 * stride
+
+
+def test_from_kv_caches_explicit_kind_skips_detection() -> None:
+    kv = {"a": torch.zeros((2, 2, BLOCK_TOKENS, HEADS, HEAD_SIZE))}  # ambiguous with 2 blocks
+    with pytest.raises(ValueError):
+        KvLayout.from_kv_caches(kv, 2)
+    assert KvLayout.from_kv_caches(kv, 2, LayoutKind.FLASH).kind is LayoutKind.FLASH
+
+
+def test_from_kv_caches_refuses_mixed_layers() -> None:
+    with pytest.raises(ValueError):
+        KvLayout.from_kv_caches({}, NUM_BLOCKS)
+    base = torch.zeros(shape_of(LayoutKind.CPU))
+    other_dtype = torch.zeros(shape_of(LayoutKind.CPU), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="layer b"):
+        KvLayout.from_kv_caches({"a": base, "b": other_dtype}, NUM_BLOCKS)
+    other_shape = torch.zeros((NUM_BLOCKS, HEADS, BLOCK_TOKENS, 4))
+    with pytest.raises(ValueError, match="layer b"):
+        KvLayout.from_kv_caches({"a": base, "b": other_shape}, NUM_BLOCKS)
+
+
+def test_block_major_is_a_view() -> None:
+    t = torch.zeros(shape_of(LayoutKind.FLASH))
+    bm = block_major(t, LayoutKind.FLASH)
+    assert bm.shape[0] == NUM_BLOCKS
+    bm[5] = 1.0
+    assert torch.all(t[:, 5] == 1.0)
+    assert t.sum() == bm[5].numel()
+    cpu = torch.zeros(shape_of(LayoutKind.CPU))
+    assert block_major(cpu, LayoutKind.CPU) is cpu
+
+
+def test_kv_bytes_per_token() -> None:
+    assert kv_bytes_per_token(num_layers=28, num_kv_heads=8, head_size=128, dtype_bytes=2) == 114688
+
+
+# --- gather / scatter through a DramTier --------------------------------------
+
+
+def rank_slots(tier: DramTier, rank: int, layout: KvLayout) -> torch.Tensor:
+    # As WorkerSide._attach builds its slot matrix.
+    region = tier._slots[:, rank * tier.rank_stride : rank * tier.rank_stride + tier.rank_bytes]
+    return slot_matrix(region, layout)
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.CPU, LayoutKind.FLASH])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_round_trip_bit_exact(make_tier, capacity_for, kind: LayoutKind, dtype: torch.dtype) -> None:
+    kv = random_kv(kind, dtype, layers=3, seed=1)
+    originals = {n: t.clone() for n, t in kv.items()}
+    layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
+    layers = [block_major(kv[n], kind) for n in layout.layer_names]
+    tier = make_tier(capacity_for(6, layout.block_bytes, ranks=2), layout.block_bytes, ranks=2)
+    rank = 1  # the second rank's region: offsets must be right, rank 0's bytes untouched
+    slots = rank_slots(tier, rank, layout)
+    assert slots.shape == (tier.num_slots, 3, layout.layer_stride)
+    assert slots.data_ptr() == tier.rank_view(0, rank).data_ptr()
+
+    blocks, slot_ids = [1, 5, 6], [3, 0, 2]
+    gather_blocks(layers, layout, blocks, slots, slot_ids)
+
+    # Each layer's block sits at its offset in the rank's part of the slot.
+    for b, s in zip(blocks, slot_ids):
+        part = tier.rank_view(s, rank)
+        for i, bm in enumerate(layers):
+            off = i * layout.layer_stride
+            raw = part[off : off + layout.layer_block_bytes]
+            assert torch.equal(raw, bm[b].contiguous().reshape(-1).view(torch.uint8))
+            assert torch.all(part[off + layout.layer_block_bytes : off + layout.layer_stride] == 0)
+        assert torch.all(tier.rank_view(s, 0) == 0)
+    for s in set(range(tier.num_slots)) - set(slot_ids):
+        assert torch.all(tier.rank_view(s, rank) == 0)
+    # Gathering read the KV and did not write it.
+    for n in kv:
+        assert torch.equal(bits(kv[n]), bits(originals[n]))
+
+    for bm in layers:
+        bm[blocks] = 0
+    scatter_blocks(layers, layout, blocks, slots, slot_ids)
+    for n in kv:
+        assert torch.equal(bits(kv[n]), bits(originals[n])), n
+
+
+@pytest.mark.parametrize("kind", [LayoutKind.CPU, LayoutKind.FLASH])
+def test_scatter_writes_only_its_blocks(make_tier, capacity_for, kind: LayoutKind) -> None:
+    kv = random_kv(kind, torch.bfloat16, layers=3, seed=2)
+    layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
+    layers = [block_major(kv[n], kind) for n in layout.layer_names]
+    tier = make_tier(capacity_for(4, layout.block_bytes), layout.block_bytes)
+    slots = rank_slots(tier, 0, layout)
+    gather_blocks(layers, layout, [2, 3], slots, [0, 1])
+    before = {n: t.clone() for n, t in kv.items()}
+    # Load slot 1 (block 3's contents) into block 7 and slot 0 into block 0.
+    scatter_blocks(layers, layout, [7, 0], slots, [1, 0])
+    for n in layout.layer_names:
+        after, prev = block_major(kv[n], kind), block_major(before[n], kind)
+        assert torch.equal(bits(after[7]), bits(prev[3]))
+        assert torch.equal(bits(after[0]), bits(prev[2]))
+        for b in range(1, 7):
+            assert torch.equal(bits(after[b]), bits(prev[b])), (n, b)
+
+
+def test_empty_block_lists_are_no_ops(make_tier, capacity_for) -> None:
+    kv = random_kv(LayoutKind.CPU, torch.float32, layers=2, seed=3)
+    before = {n: t.clone() for n, t in kv.items()}
+    layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
+    layers = [block_major(kv[n], layout.kind) for n in layout.layer_names]
+    tier = make_tier(capacity_for(2, layout.block_bytes), layout.block_bytes)
+    slots = rank_slots(tier, 0, layout)
+    gather_blocks(layers, layout, [], slots, [])
+    scatter_blocks(layers, layout, [], slots, [])
+    assert torch.all(tier.rank_view(0) == 0) and torch.all(tier.rank_view(1) == 0)
+    for n in kv:
+        assert torch.equal(bits(kv[n]), bits(before[n]))
+
+
+def test_sealed_gather_survives_a_reattach(make_tier, shm_path: str, capacity_for) -> None:
+    """A block saved and sealed through one mapping loads through another (worker to worker)."""
+    kv = random_kv(LayoutKind.FLASH, torch.bfloat16, layers=3, seed=4)
+    layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
+    layers = [block_major(kv[n], layout.kind) for n in layout.layer_names]
+    owner = make_tier(capacity_for(3, layout.block_bytes), layout.block_bytes)
+    key = bytes(range(16))
+    gather_blocks(layers, layout, [4], rank_slots(owner, 0, layout), [2])
+    owner.seal(2, key, 0, checksum(owner.rank_view(2, 0)))
+
+    reader = DramTier.attach(shm_path)
+    try:
+        assert reader.verify(2, key, 0)
+        target = random_kv(LayoutKind.FLASH, torch.bfloat16, layers=3, seed=5)
+        t_layers = [block_major(target[n], layout.kind) for n in layout.layer_names]
+        slots = rank_slots(reader, 0, layout)
+        scatter_blocks(t_layers, layout, [0], slots, [2])
+        del slots
+        for src, dst in zip(layers, t_layers):
+            assert torch.equal(bits(dst[0]), bits(src[4]))
+    finally:
+        reader.close()

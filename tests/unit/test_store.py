@@ -1,0 +1,339 @@
+"""kvtier.store: the index over a real DRAM arena (20 slots in /dev/shm)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from kvtier.policy import LruPolicy
+from kvtier.store import StoreStatistics, TieredStore
+from kvtier.tier import DramTier
+
+SLOTS = 20
+RANK_BYTES = 4096
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+@pytest.fixture
+def tier(make_tier, capacity_for) -> DramTier:
+    t = make_tier(capacity_for(SLOTS, RANK_BYTES), RANK_BYTES)
+    assert t.num_slots == SLOTS
+    return t
+
+
+@pytest.fixture
+def make_store(tier: DramTier) -> Callable[..., TieredStore]:
+    def make(high_pct: float = 95.0, low_pct: float = 85.0, policy: LruPolicy | None = None) -> TieredStore:
+        return TieredStore(tier, high_pct, low_pct, policy)
+
+    return make
+
+
+def save_ready(store: TieredStore, keys: list[bytes], step: int) -> list[int]:
+    """Save ``keys`` in ``step`` and complete the step; every key must get a slot."""
+    slots = store.prepare_save(keys, step)
+    assert None not in slots, slots
+    store.complete_step(step)
+    return slots  # type: ignore[return-value]
+
+
+def held(store: TieredStore, keys: list[bytes]) -> list[bytes]:
+    return [k for k in keys if store.contains(k)]
+
+
+@pytest.mark.parametrize(("high", "low"), [(50, 50), (50, 60), (0, 0), (101, 50), (50, 0)])
+def test_thresholds_validated(tier: DramTier, high: float, low: float) -> None:
+    with pytest.raises(ValueError):
+        TieredStore(tier, high, low)
+
+
+# --- lookup and readiness --------------------------------------------------
+
+
+def test_lookup_counts_only_leading_ready_keys(make_store) -> None:
+    store = make_store()
+    save_ready(store, [K(0), K(1), K(2)], step=0)
+    store.prepare_save([K(3)], step=1)  # PENDING
+    assert store.lookup([K(0), K(1), K(2), K(3)]) == 3
+    assert store.lookup([K(0), K(1), K(3), K(2)]) == 2
+    assert store.lookup([K(9), K(0), K(1)]) == 0
+    assert store.lookup([K(3)]) == 0
+    assert store.lookup([]) == 0
+    store.complete_step(1)
+    assert store.lookup([K(0), K(1), K(2), K(3), K(4)]) == 4
+
+
+def test_entries_not_readable_until_complete_step(make_store, tier: DramTier) -> None:
+    store = make_store()
+    [slot] = store.prepare_save([K(0)], step=4)
+    assert slot is not None
+    assert store.contains(K(0))
+    assert store.lookup([K(0)]) == 0
+    assert store.pin([K(0)], step=4) == [None]
+    assert store.statistics().pending_slots == 1
+    # The slot is handed out cleared and named after its key.
+    assert tier.header(slot).ready_mask == 0
+    assert tier.header(slot).key == K(0)
+    store.complete_step(3)  # an earlier step settles nothing of step 4
+    assert store.lookup([K(0)]) == 0
+    store.complete_step(4)
+    assert store.lookup([K(0)]) == 1
+    assert store.pin([K(0)], step=5) == [slot]
+    assert store.statistics().pending_slots == 0
+
+
+def test_complete_step_settles_earlier_steps(make_store) -> None:
+    store = make_store()
+    store.prepare_save([K(0)], step=1)
+    store.prepare_save([K(1)], step=2)
+    store.prepare_save([K(2)], step=3)
+    store.complete_step(2)  # the report of step 1 was lost
+    assert store.lookup([K(0), K(1)]) == 2
+    assert store.lookup([K(2)]) == 0
+
+
+# --- prepare_save -------------------------------------------------------------
+
+
+def test_prepare_save_none_for_duplicates_and_held_keys(make_store) -> None:
+    store = make_store()
+    slots = store.prepare_save([K(0), K(1), K(0)], step=0)
+    assert slots[2] is None
+    assert slots[0] is not None and slots[1] is not None and slots[0] != slots[1]
+    # Held while PENDING ...
+    again = store.prepare_save([K(0), K(2)], step=0)
+    assert again[0] is None and again[1] not in (None, *slots)
+    store.complete_step(0)
+    # ... and once READY.
+    assert store.prepare_save([K(1), K(0)], step=1) == [None, None]
+    assert store.statistics().used_slots == 3
+
+
+def test_slots_are_distinct_until_freed(make_store) -> None:
+    store = make_store()
+    slots = store.prepare_save([K(i) for i in range(SLOTS)], step=0)
+    assert sorted(slots) == list(range(SLOTS))
+
+
+def test_failed_slots_are_dropped_and_freed(make_store, tier: DramTier) -> None:
+    store = make_store()
+    a, b, c = store.prepare_save([K(0), K(1), K(2)], step=0)
+    tier.seal(b, K(1), 0, 0)  # a writer got as far as sealing, then reported failure
+    store.complete_step(0, failed_slots=[b])
+    assert store.lookup([K(0)]) == 1 and store.lookup([K(2)]) == 1
+    assert store.lookup([K(1)]) == 0
+    assert not store.contains(K(1))
+    assert tier.header(b).ready_mask == 0 and tier.header(b).key == bytes(16)
+    stats = store.statistics()
+    assert (stats.used_slots, stats.save_failures, stats.pending_slots) == (2, 1, 0)
+    assert store.used_slots == 2
+    # The freed slot is handed out again, and the key can be saved again.
+    assert store.prepare_save([K(1)], step=1) == [b]
+
+
+def test_failed_slots_only_touch_pending_entries(make_store) -> None:
+    store = make_store()
+    [a] = save_ready(store, [K(0)], step=0)
+    store.prepare_save([K(1)], step=1)
+    store.complete_step(1, failed_slots=[a])  # slot a holds a READY entry: not this step's
+    assert store.lookup([K(0), K(1)]) == 2
+    assert store.statistics().save_failures == 0
+
+
+# --- pins -------------------------------------------------------------------
+
+
+def test_pins_hold_until_complete_step_of_their_step(make_store) -> None:
+    store = make_store()
+    slots = save_ready(store, [K(0), K(1)], step=0)
+    assert store.pin([K(0), K(5), K(1)], step=7) == [slots[0], None, slots[1]]
+    assert store.statistics().pinned_slots == 2
+    assert store.discard([K(0), K(1)]) == 0
+    store.complete_step(6)
+    assert store.statistics().pinned_slots == 2
+    store.complete_step(7)
+    assert store.statistics().pinned_slots == 0
+    assert store.discard([K(0), K(1)]) == 2
+
+
+def test_pins_count(make_store) -> None:
+    store = make_store()
+    save_ready(store, [K(0)], step=0)
+    store.pin([K(0)], step=1)
+    store.pin([K(0)], step=2)
+    store.complete_step(1)
+    assert store.discard([K(0)]) == 0  # still pinned by step 2
+    store.complete_step(2)
+    assert store.discard([K(0)]) == 1
+
+
+# --- eviction ---------------------------------------------------------------
+
+
+def test_watermark_evicts_down_to_low_in_lru_order(make_store, tier: DramTier) -> None:
+    store = make_store(high_pct=50, low_pct=25)  # high 10 slots, low 5
+    slots = {}
+    for i in range(10):
+        slots[K(i)] = save_ready(store, [K(i)], step=i)[0]
+    assert store.statistics().evictions == 0
+    assert store.statistics().used_slots == 10  # at the high mark, not past it
+    assert store.lookup([K(0)]) == 1  # K(0) becomes the most recent
+    [new] = store.prepare_save([K(10)], step=10)
+    assert new is not None
+    stats = store.statistics()
+    assert stats.evictions == 6
+    assert stats.used_slots == 5
+    assert held(store, [K(i) for i in range(11)]) == [K(0), K(7), K(8), K(9), K(10)]
+    # Evicted slots are cleared in the arena; one of them now names K(10).
+    evicted = {slots[K(i)] for i in range(1, 7)}
+    assert new in evicted
+    for slot in evicted - {new}:
+        assert tier.header(slot).ready_mask == 0
+        assert tier.header(slot).key == bytes(16)
+    assert tier.header(new).key == K(10)
+
+
+def test_batch_save_lands_at_low_mark(make_store) -> None:
+    store = make_store(high_pct=50, low_pct=25)
+    for i in range(10):
+        save_ready(store, [K(i)], step=i)
+    store.prepare_save([K(100), K(101), K(102)], step=10)
+    stats = store.statistics()
+    assert stats.used_slots == 5
+    assert stats.evictions == 8
+    assert held(store, [K(i) for i in range(10)]) == [K(8), K(9)]
+
+
+def test_eviction_skips_pending_and_pinned(make_store) -> None:
+    store = make_store(high_pct=50, low_pct=25)
+    save_ready(store, [K(0), K(1), K(2), K(3)], step=0)
+    store.pin([K(0), K(1)], step=9)
+    store.prepare_save([K(i) for i in range(4, 10)], step=1)  # PENDING
+    store.prepare_save([K(10)], step=2)
+    stats = store.statistics()
+    # Only K(2) and K(3) could go; everything else stays although above low.
+    assert stats.evictions == 2
+    assert held(store, [K(i) for i in range(11)]) == [K(0), K(1)] + [K(i) for i in range(4, 11)]
+    store.complete_step(2)
+    assert store.lookup([K(0), K(1)]) == 2
+    assert store.lookup([K(i) for i in range(4, 11)]) == 7
+
+
+def test_no_room_returns_none_for_the_overflow(make_store) -> None:
+    store = make_store()
+    keys = [K(i) for i in range(SLOTS + 5)]
+    slots = store.prepare_save(keys, step=0)
+    assert all(s is not None for s in slots[:SLOTS])
+    assert slots[SLOTS:] == [None] * 5
+    assert not any(store.contains(k) for k in keys[SLOTS:])
+    # Everything is PENDING: nothing may be evicted.
+    assert store.prepare_save([K(100)], step=1) == [None]
+    # READY but pinned: still nothing.
+    store.complete_step(0)
+    store.pin(keys[:SLOTS], step=2)
+    assert store.prepare_save([K(100)], step=2) == [None]
+    assert store.statistics().evictions == 0
+    store.complete_step(2)  # pins released
+    assert store.prepare_save([K(100)], step=3) != [None]
+    assert store.statistics().evictions > 0
+
+
+def test_saves_in_one_step_keep_call_order(make_store) -> None:
+    # Two requests save in the same engine step: the first call's blocks are
+    # older than the second's, and each prefix's tail goes before its head.
+    policy = LruPolicy()
+    store = make_store(policy=policy)  # high 19 slots, low 17
+    store.prepare_save([K(0), K(1)], step=3)
+    store.prepare_save([K(10), K(11)], step=3)
+    assert list(policy.victims()) == [K(1), K(0), K(11), K(10)]
+    store.complete_step(3)
+    for i in range(15):
+        save_ready(store, [K(100 + i)], step=4 + i)
+    assert store.statistics().used_slots == 19
+    store.prepare_save([K(200)], step=30)  # evicts down to 16 before adding
+    assert store.statistics().evictions == 3
+    assert held(store, [K(0), K(1), K(10), K(11)]) == [K(10)]
+
+
+def test_policy_order_after_saves_and_lookups(make_store) -> None:
+    policy = LruPolicy()
+    store = make_store(policy=policy)
+    a = [K(0), K(1), K(2)]
+    b = [K(10), K(11)]
+    store.prepare_save(a, step=0)
+    store.prepare_save(b, step=1)
+    # Within a save, the tail of a prefix goes first.
+    assert list(policy.victims()) == [K(2), K(1), K(0), K(11), K(10)]
+    store.complete_step(1)
+    assert store.lookup(a) == 3
+    assert list(policy.victims()) == [K(11), K(10), K(2), K(1), K(0)]
+    store.discard([K(10)])
+    assert K(10) not in list(policy.victims())
+
+
+# --- discard and statistics -------------------------------------------------
+
+
+def test_discard_drops_only_unpinned_ready(make_store, tier: DramTier) -> None:
+    store = make_store()
+    slots = save_ready(store, [K(0), K(1), K(2)], step=0)
+    store.pin([K(1)], step=5)
+    store.prepare_save([K(3)], step=1)
+    assert store.discard([K(0), K(1), K(3), K(99), K(0)]) == 1
+    assert not store.contains(K(0))
+    assert store.contains(K(1)) and store.contains(K(3))
+    assert store.lookup([K(0)]) == 0
+    assert tier.header(slots[0]).ready_mask == 0
+    assert store.statistics().used_slots == 3
+    assert store.prepare_save([K(0)], step=1) == [slots[0]]  # its slot is free again
+
+
+def test_statistics(make_store) -> None:
+    store = make_store(high_pct=50, low_pct=25)
+    empty = store.statistics()
+    assert empty == StoreStatistics(SLOTS, 0, 0, 0, 0, 0, 0, 0)
+    assert empty.usage == 0.0
+    for i in range(10):
+        save_ready(store, [K(i)], step=i)
+    store.prepare_save([K(10)], step=10)  # evicts 6, K(10) PENDING
+    a, b = store.prepare_save([K(11), K(12)], step=11)
+    store.complete_step(11, failed_slots=[b])
+    store.pin([K(7)], step=12)
+    store.lookup([K(7), K(8), K(99)])  # 2 hits
+    store.lookup([K(99)])  # 0 hits
+    stats = store.statistics()
+    # Held: K(6..9) and K(10), K(11) minus what the second save evicted.
+    assert stats == StoreStatistics(
+        num_slots=SLOTS,
+        used_slots=len(held(store, [K(i) for i in range(13)])),
+        pending_slots=0,
+        pinned_slots=1,
+        evictions=stats.evictions,
+        save_failures=1,
+        lookups=2,
+        lookup_hits=2,
+    )
+    assert stats.evictions >= 6
+    assert stats.used_slots == store.used_slots
+    assert stats.usage == stats.used_slots / SLOTS
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.used_slots = 0  # type: ignore[misc]
+
+
+
+def test_clear_drops_ready_unpinned_and_keeps_the_rest(make_store) -> None:
+    store = make_store()
+    save_ready(store, [K(0), K(1), K(2)], step=0)
+    store.pin([K(0)], step=1)
+    store.prepare_save([K(3)], step=2)  # still PENDING: a writer may be filling it
+    assert store.clear() == 2
+    assert store.lookup([K(0)]) == 1  # pinned: kept
+    assert store.lookup([K(1)]) == 0
+    assert store.lookup([K(2)]) == 0
+    assert store.contains(K(3))
+    assert store.statistics().used_slots == 2
