@@ -19,9 +19,13 @@ layer ``i`` of a block sits at ``[i, :layer_block_bytes]``.
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Sequence
 
 import torch
+
+_MEMMOVE = os.environ.get("KVTIER_COPY", "memmove") == "memmove"
 
 from kvtier.layout import KvLayout
 
@@ -46,6 +50,9 @@ def gather_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: S
     dev = layers[0].device
     nbytes = layout.layer_block_bytes
     if dev.type == "cpu":
+        if _MEMMOVE and layers[0][0].is_contiguous():
+            _memmove_blocks(layers, nbytes, block_ids, slots, slot_ids, to_slots=True)
+            return
         for i, bm in enumerate(layers):
             for b, s in zip(block_ids, slot_ids):
                 slots[s, i, :nbytes].view(layout.dtype).view(bm.shape[1:]).copy_(bm[b])
@@ -67,6 +74,9 @@ def scatter_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: 
     dev = layers[0].device
     nbytes = layout.layer_block_bytes
     if dev.type == "cpu":
+        if _MEMMOVE and layers[0][0].is_contiguous():
+            _memmove_blocks(layers, nbytes, block_ids, slots, slot_ids, to_slots=False)
+            return
         for i, bm in enumerate(layers):
             for b, s in zip(block_ids, slot_ids):
                 bm[b].copy_(slots[s, i, :nbytes].view(layout.dtype).view(bm.shape[1:]))
@@ -80,3 +90,18 @@ def scatter_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: 
         if dev.type != "cpu":
             src = src.to(dev, non_blocking=True)
         bm[b_idx] = src
+
+
+def _memmove_blocks(layers: Sequence[torch.Tensor], nbytes: int, block_ids: Sequence[int],
+                    slots: torch.Tensor, slot_ids: Sequence[int], to_slots: bool) -> None:
+    slot_base = slots.data_ptr()
+    s_stride, l_stride = slots.stride(0), slots.stride(1)
+    for i, bm in enumerate(layers):
+        base, stride = bm.data_ptr(), bm.stride(0) * bm.element_size()
+        for b, s in zip(block_ids, slot_ids):
+            kv = base + b * stride
+            slot = slot_base + s * s_stride + i * l_stride
+            if to_slots:
+                ctypes.memmove(slot, kv, nbytes)
+            else:
+                ctypes.memmove(kv, slot, nbytes)

@@ -3,14 +3,17 @@
 Runs in each vLLM worker process (one per rank). Per engine step:
 
 1. ``start_load_kv`` (before the forward pass): for each planned load,
-   verify the slot (key, every rank sealed, checksum) and copy it into
-   vLLM's block; a slot that fails is a load error and vLLM recomputes it;
+   check the slot header (key, every rank sealed) and copy the slot into
+   vLLM's block; start verifying the copied slots' checksums in a thread;
 2. ``wait_for_save`` (after the forward pass): copy each newly full block
    into its slot and seal it with its checksum;
-3. ``build_connector_worker_meta``: report the step as done, with the save
-   slots that failed.
+3. ``get_block_ids_with_load_errors``: join the verification; every block
+   whose header or checksum failed is reported, and vLLM discards what the
+   step computed from it and recomputes the block;
+4. ``build_connector_worker_meta``: report the step as done, with the save
+   slots that failed and the keys found corrupt.
 
-The copy is synchronous: on the CPU build a block copy is a memcpy far
+Copies are synchronous: on the CPU build a block copy is a memcpy far
 shorter than the forward pass that produced it (docs/benchmarks.md measures
 the cost), and a synchronous save cannot race vLLM freeing the block.
 Errors never escape into vLLM: they become misses.
@@ -20,12 +23,13 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 
 import torch
 
 from kvtier.connector.copy import gather_blocks, scatter_blocks, slot_matrix
-from kvtier.connector.meta import StepPlan, StepReport
+from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import KvtierStats
 from kvtier.layout import KvLayout, LayoutKind, block_major
 from kvtier.tier.dram import DramTier, checksum
@@ -48,6 +52,8 @@ class WorkerSide:
         self._report: StepReport | None = None
         self._stats = KvtierStats()
         self._disabled = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._verifying: Future | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self._kind)
@@ -88,35 +94,71 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         tier = self._tier
-        good_blocks: list[int] = []
-        good_slots: list[int] = []
+        good: list[BlockCopy] = []
         for c in plan.loads:
-            ok = False
-            if c.slot >= 0:
-                try:
-                    ok = tier.verify(c.slot, c.key, self.rank, self.verify_checksums)
-                except Exception:  # noqa: BLE001 - anything wrong is a miss
-                    log.exception("kvtier: verifying slot %d failed", c.slot)
-                if not ok and self._report is not None and tier.is_sealed(c.slot, c.key):
-                    self._report.corrupt_keys.append(c.key)
-            if ok:
-                good_blocks.append(c.block_id)
-                good_slots.append(c.slot)
+            # The header check is cheap and comes first: a slot that does not
+            # hold this key, sealed by every rank, is never copied.
+            if c.slot >= 0 and tier.is_sealed(c.slot, c.key):
+                good.append(c)
             else:
                 self._load_errors.add(c.block_id)
         try:
-            scatter_blocks(self._layers, self.layout, good_blocks, self._slots, good_slots)
+            scatter_blocks(self._layers, self.layout, [c.block_id for c in good], self._slots,
+                           [c.slot for c in good])
         except Exception:  # noqa: BLE001
-            log.exception("kvtier: loading %d blocks failed; vLLM recomputes them", len(good_blocks))
-            self._load_errors.update(good_blocks)
-            good_blocks = []
-        if self._load_errors:
-            self._stats.add("load_errors", len(self._load_errors))
-        self._stats.add("blocks_loaded", len(good_blocks))
-        self._stats.add("bytes_loaded", len(good_blocks) * self.layout.block_bytes)
+            log.exception("kvtier: loading %d blocks failed; vLLM recomputes them", len(good))
+            self._load_errors.update(c.block_id for c in good)
+            good = []
+        if good and self.verify_checksums:
+            # Checksums are verified while the forward pass runs (xxhash
+            # releases the GIL) and joined before vLLM asks for load errors at
+            # the end of this step: a block that fails is reported then, vLLM
+            # drops the token this step sampled and recomputes the block, so
+            # nothing computed from it is ever served. Verifying before the
+            # copy put the whole pass on the critical path (docs/benchmarks.md).
+            self._verifying = self._verifier().submit(self._verify, good)
+        self._stats.add("blocks_loaded", len(good))
+        self._stats.add("bytes_loaded", len(good) * self.layout.block_bytes)
         self._stats.add("load_seconds", time.perf_counter() - t0)
 
+    def _verifier(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
+        return self._pool
+
+    def _verify(self, copies: list[BlockCopy]) -> list[BlockCopy]:
+        bad = []
+        for c in copies:
+            try:
+                ok = self._tier.verify(c.slot, c.key, self.rank, check_data=True)
+            except Exception:  # noqa: BLE001 - anything wrong is a miss
+                log.exception("kvtier: verifying slot %d failed", c.slot)
+                ok = False
+            if not ok:
+                bad.append(c)
+        return bad
+
+    def _join_verification(self) -> None:
+        fut, self._verifying = self._verifying, None
+        if fut is None:
+            return
+        try:
+            bad = fut.result()
+        except Exception:  # noqa: BLE001
+            log.exception("kvtier: checksum verification failed to run")
+            bad = []
+        if bad:
+            log.warning("kvtier: %d loaded blocks failed their checksum; vLLM recomputes them", len(bad))
+            self._load_errors.update(c.block_id for c in bad)
+            self._stats.add("blocks_loaded", -len(bad))
+            self._stats.add("bytes_loaded", -len(bad) * self.layout.block_bytes)
+            if self._report is not None:
+                self._report.corrupt_keys.extend(c.key for c in bad)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._join_verification()
+        if self._load_errors:
+            self._stats.add("load_errors", len(self._load_errors))
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -148,6 +190,7 @@ class WorkerSide:
         self._stats.add("save_seconds", time.perf_counter() - t0)
 
     def build_report(self) -> StepReport | None:
+        self._join_verification()  # normally joined already, with the load errors
         report, self._report = self._report, None
         return report
 
@@ -158,6 +201,9 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        self._join_verification()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._slots = None
         if self._tier is not None:
             self._tier.close()
