@@ -30,9 +30,14 @@ def server_options(model: str, kvtier: dict | None, **kw: object) -> ServerOptio
     # float32: a cold prefill and a cache hit give bit-identical logits, so
     # outputs can be compared across servers (see docs/architecture.md).
     base = dict(model=model, kvtier=kvtier, block_size=BLOCK, num_gpu_blocks=DEVICE_BLOCKS,
-                max_num_batched_tokens=CHUNK, dtype="float32")
+                max_num_batched_tokens=CHUNK, dtype="float32", env={"VLLM_LOG_STATS_INTERVAL": "1"})
     base.update(kw)
     return ServerOptions(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def gqa_model(model_cache_dir: Path) -> str:
+    return str(build_model("gqa", cache_dir=model_cache_dir))
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +70,16 @@ def complete(srv: VllmServer, prompt: list[int], max_tokens: int = 12) -> dict:
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def wait_for_log(srv: VllmServer, pattern: str, timeout_s: float = 15.0) -> list[str]:
+    """Lines of the server's log matching ``pattern`` (regex), waiting for at least one."""
+    import re
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [line for line in srv.log_text().splitlines() if re.search(pattern, line)]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)

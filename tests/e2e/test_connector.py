@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvtier.tools.server import ServerError, VllmServer
-from tests.e2e.conftest import BLOCK, complete, delta, server_options, tokens
+from tests.e2e.conftest import BLOCK, complete, delta, server_options, tokens, wait_for_log
 
 pytestmark = pytest.mark.e2e
 
@@ -43,6 +43,12 @@ def test_evicted_prefix_is_loaded_from_dram_and_output_matches_device_hit(kvtier
     assert delta(after, before, "kvtier_blocks_loaded_total") == ext // BLOCK
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == ext
     assert again["text"] == device_hit["text"]
+
+    # vLLM's own log shows the external hits and kvtier's transfer figures.
+    rates = wait_for_log(kvtier_server, r"External prefix cache hit rate: [1-9][0-9.]*%")
+    assert rates, "no non-zero external prefix cache hit rate in vLLM's log"
+    transfers = wait_for_log(kvtier_server, r"KV Transfer metrics: .*blocks_loaded=[1-9]")
+    assert transfers, "no kvtier transfer figures in vLLM's log"
 
 
 def test_concurrent_shared_prefixes_match_vllm_alone(kvtier_server, plain_server):

@@ -146,6 +146,13 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.kv_cache_manager = kv_cache_manager
 
+    def on_new_request(self, request: Any) -> None:
+        if self._scheduler is not None:
+            try:
+                self._scheduler.on_new_request(request)
+            except Exception:  # noqa: BLE001 - keys are computed again at lookup
+                log.exception("kvtier: hashing a new request failed")
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         try:

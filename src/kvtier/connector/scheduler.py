@@ -88,6 +88,10 @@ class SchedulerSide:
 
     # --- vLLM hooks -------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        """Hash the prompt's blocks when the request arrives, not while it waits to be scheduled."""
+        self._keys(self._state(request), request.num_tokens - 1)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         # At least one token must be computed to produce logits.
