@@ -1,7 +1,8 @@
 """``kvtier``: one command line for the cache and its tools.
 
 Subcommands: ``demo`` (serve a model with kvtier and show the gain),
-``model build`` (make a small test model on disk).
+``disk prepare|check|release`` (SSD tier paths), ``model build`` (make a
+small test model on disk).
 """
 
 from __future__ import annotations
@@ -27,6 +28,47 @@ def _model_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _disk_prepare(args: argparse.Namespace) -> int:
+    from kvtier.config import parse_size
+    from kvtier.tools.disk import prepare
+
+    path = prepare(args.path, parse_size("--size", args.size), loop=args.loop, force=args.force)
+    print(path)
+    print(f'connector extra config: "ssd_path": "{path}", "ssd_size": "{args.size}"', file=sys.stderr)
+    print(f"config file:            ubsio.disk.path = {path}", file=sys.stderr)
+    return 0
+
+
+def _disk_check(args: argparse.Namespace) -> int:
+    from kvtier.config import parse_size
+    from kvtier.tools.disk import check
+
+    bench = 0 if args.no_bench else parse_size("--bench-size", args.bench_size)
+    ok = True
+    for path in args.paths:
+        r = check(path, bench)
+        ok &= r.ok
+        print(f"{path}: {'OK' if r.ok else 'NOT USABLE'}")
+        print(f"  kind        {r.kind}")
+        print(f"  size        {r.size_bytes / (1 << 30):.2f} GiB")
+        print(f"  exclusive   {'yes' if r.exclusive else 'no'}")
+        print(f"  direct I/O  {'yes' if r.direct_io else 'no'}")
+        if r.read_GBps is not None:
+            print(f"  bandwidth   read {r.read_GBps:.2f} GB/s, write {r.write_GBps:.2f} GB/s "
+                  f"(O_DIRECT, 1 MiB requests, one at a time)")
+        for problem in r.problems:
+            print(f"  problem     {problem}")
+    return 0 if ok else 1
+
+
+def _disk_release(args: argparse.Namespace) -> int:
+    from kvtier.tools.disk import release
+
+    for line in release(args.path, delete=args.delete):
+        print(line)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from kvtier.tools.model import GEOMETRIES
 
@@ -41,6 +83,24 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--dram-size", default="1GB", help="kvtier DRAM tier size")
     d.add_argument("--server-log", default=None, help="where the vLLM server's log goes")
     d.set_defaults(func=_demo)
+
+    disk = sub.add_parser("disk", help="prepare, check and release SSD tier paths")
+    dsub = disk.add_subparsers(dest="disk_command", required=True)
+    dp = dsub.add_parser("prepare", help="create a pre-allocated file (and a loop device on it)")
+    dp.add_argument("path")
+    dp.add_argument("--size", required=True, help="e.g. 64GB")
+    dp.add_argument("--loop", action="store_true", help="attach a loop device with direct I/O (root)")
+    dp.add_argument("--force", action="store_true", help="reuse an existing file")
+    dp.set_defaults(func=_disk_prepare)
+    dc = dsub.add_parser("check", help="exclusivity, size, direct I/O, bandwidth (non-destructive)")
+    dc.add_argument("paths", nargs="+")
+    dc.add_argument("--bench-size", default="256MB", help="bytes to read and write back")
+    dc.add_argument("--no-bench", action="store_true")
+    dc.set_defaults(func=_disk_check)
+    dr = dsub.add_parser("release", help="detach a loop device; --delete removes the file")
+    dr.add_argument("path")
+    dr.add_argument("--delete", action="store_true")
+    dr.set_defaults(func=_disk_release)
 
     m = sub.add_parser("model", help="small test models")
     msub = m.add_subparsers(dest="model_command", required=True)

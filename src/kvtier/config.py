@@ -83,6 +83,41 @@ def parse_enum(enum_cls: type[enum.Enum]) -> Callable[[str, object, str], enum.E
     return parse
 
 
+def parse_int_range(lo: int, hi: int) -> Callable[[str, object, str], int]:
+    def parse(key: str, value: object, source: str = "") -> int:
+        try:
+            n = int(str(value).strip()) if not isinstance(value, bool) else None
+        except ValueError:
+            n = None
+        if n is None or not lo <= n <= hi:
+            raise ConfigError(key, value, f"expected a whole number from {lo} to {hi}", source)
+        return n
+
+    return parse
+
+
+def parse_seconds(key: str, value: object, source: str = "") -> float:
+    try:
+        t = float(str(value).strip().rstrip("s")) if not isinstance(value, bool) else -1.0
+    except ValueError:
+        t = -1.0
+    if not t >= 0:
+        raise ConfigError(key, value, "expected a number of seconds, 0 or more", source)
+    return t
+
+
+def parse_paths(key: str, value: object, source: str = "") -> tuple[str, ...]:
+    """Colon-separated paths, as in ``ubsio.disk.path = /dev/loop0:/dev/loop1``."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, value, "expected one or more paths separated by ':'", source)
+    paths = tuple(p.strip() for p in value.split(":"))
+    if any(not p for p in paths):
+        raise ConfigError(key, value, "empty path between ':'", source)
+    if len(set(paths)) != len(paths):
+        raise ConfigError(key, value, "a path is listed twice", source)
+    return paths
+
+
 def parse_path(key: str, value: object, source: str = "") -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(key, value, "expected a path", source)
@@ -95,19 +130,32 @@ class KvtierConfig:
 
     backend: Backend = Backend.EMBEDDED
     dram_size_bytes: int = 1 << 30
-    evict_threshold_high: float = 95.0
-    evict_threshold_low: float = 85.0
+    evict_threshold_high: float = 90.0
+    evict_threshold_low: float = 80.0
     verify_checksums: bool = True
     shm_dir: str = "/dev/shm"
     model_id: str = ""  # overrides the model identity in keys (share a pool across paths)
+    # SSD tier (off while ssd_paths is empty)
+    ssd_paths: tuple[str, ...] = ()
+    ssd_size_bytes: int | None = None  # creates and pre-allocates regular files, split evenly
+    force_new_disk: bool = False
+    ssd_evict_threshold_high: float = 95.0
+    ssd_evict_threshold_low: float = 85.0
+    rewarm_dram_watermark: float = 95.0
+    io_threads: int = 4
+    demote_queue_blocks: int = 256
+    promote_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.evict_threshold_low >= self.evict_threshold_high:
-            raise ConfigError(
-                "evict_threshold_low",
-                self.evict_threshold_low,
-                f"must be below evict_threshold_high ({self.evict_threshold_high})",
-            )
+        pairs = (("evict_threshold_low", "evict_threshold_high"),
+                 ("ssd_evict_threshold_low", "ssd_evict_threshold_high"))
+        for low, high in pairs:
+            if getattr(self, low) >= getattr(self, high):
+                raise ConfigError(low, getattr(self, low), f"must be below {high} ({getattr(self, high)})")
+        if self.ssd_paths and self.rewarm_dram_watermark <= self.evict_threshold_high:
+            raise ConfigError("rewarm_dram_watermark", self.rewarm_dram_watermark,
+                              f"must be above evict_threshold_high ({self.evict_threshold_high}), "
+                              "or DRAM eviction never demotes to SSD")
 
 
 # Connector extra-config key -> (dataclass field, parser). One table, so an
@@ -120,6 +168,15 @@ _CONNECTOR_KEYS: dict[str, tuple[str, Callable[[str, object, str], object]]] = {
     "verify_checksums": ("verify_checksums", parse_bool),
     "shm_dir": ("shm_dir", parse_path),
     "model_id": ("model_id", parse_path),
+    "ssd_path": ("ssd_paths", parse_paths),
+    "ssd_size": ("ssd_size_bytes", parse_size),
+    "force_new_disk": ("force_new_disk", parse_bool),
+    "ssd_evict_threshold_high": ("ssd_evict_threshold_high", parse_percent),
+    "ssd_evict_threshold_low": ("ssd_evict_threshold_low", parse_percent),
+    "rewarm_dram_watermark": ("rewarm_dram_watermark", parse_percent),
+    "io_threads": ("io_threads", parse_int_range(1, 64)),
+    "demote_queue_blocks": ("demote_queue_blocks", parse_int_range(1, 1 << 20)),
+    "promote_timeout_s": ("promote_timeout_s", parse_seconds),
 }
 
 _SOURCE = "kv_connector_extra_config"

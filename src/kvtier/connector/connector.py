@@ -30,6 +30,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace
 from kvtier.store import TieredStore
 from kvtier.tier.dram import DramTier
+from kvtier.tier.ssd import SsdTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,10 +103,24 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
         log.info("kvtier: removed %d arenas left by dead processes", len(removed))
     engine_id = vllm_config.kv_transfer_config.engine_id or "0"
     tier = DramTier.create(arena_path(cfg.shm_dir, engine_id), cfg.dram_size_bytes, rank_bytes, ranks)
-    store = TieredStore(tier, cfg.evict_threshold_high, cfg.evict_threshold_low)
+    ssd = None
+    recovered: list = []
+    if cfg.ssd_paths:
+        try:
+            ssd, recovered = SsdTier.open(cfg.ssd_paths, cfg.ssd_size_bytes, tier.slot_stride, cfg.force_new_disk)
+        except BaseException:
+            tier.close()
+            raise
+    store = TieredStore(tier, cfg.evict_threshold_high, cfg.evict_threshold_low, ssd=ssd,
+                        ssd_high_pct=cfg.ssd_evict_threshold_high, ssd_low_pct=cfg.ssd_evict_threshold_low,
+                        dram_watermark_pct=cfg.rewarm_dram_watermark, io_threads=cfg.io_threads,
+                        demote_queue_blocks=cfg.demote_queue_blocks, recovered=recovered)
     log.info("kvtier: DRAM tier %s, %d slots of %d bytes (%.2f GiB), block of %d tokens",
              tier.path, tier.num_slots, tier.slot_stride, tier.size_bytes / (1 << 30), spec.block_size)
-    return SchedulerSide(store, ns, spec.block_size, ranks)
+    if ssd is not None:
+        log.info("kvtier: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths), ssd.num_slots,
+                 len(recovered))
+    return SchedulerSide(store, ns, spec.block_size, ranks, promote_timeout_s=cfg.promote_timeout_s)
 
 
 def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> WorkerSide:

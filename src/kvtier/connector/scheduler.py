@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
-from kvtier.connector.stats import KvtierStats
+from kvtier.connector.stats import GAUGES, KvtierStats
 from kvtier.keys import KeyNamespace, block_keys
 from kvtier.store import TieredStore
 
@@ -44,12 +45,15 @@ class _ReqState:
     saved_blocks: int = 0  # blocks [0, saved_blocks) are saved or were planned
     device_tokens: int = 0  # vLLM's own hit, from the last lookup
     hit_blocks: int = 0  # pool-held leading blocks, from the last lookup
-    load: list[tuple[int, int, bytes]] = field(default_factory=list)  # (block_id, slot, key)
+    disk_keys: set[bytes] = field(default_factory=set)  # keys this request had promoted from SSD
+    load_keys: list[bytes] = field(default_factory=list)  # keys of the last planned load
+    waiting_since: float | None = None  # waiting for a promotion since (monotonic)
 
 
 class SchedulerSide:
     def __init__(self, store: TieredStore, namespace: KeyNamespace, block_tokens: int, ranks: int,
-                 kv_cache_manager: Any = None) -> None:
+                 kv_cache_manager: Any = None, promote_timeout_s: float = 5.0) -> None:
+        self.promote_timeout_s = promote_timeout_s
         self.store = store
         self.block_tokens = block_tokens
         self.ranks = ranks
@@ -59,8 +63,8 @@ class SchedulerSide:
         self._loads_this_step: list[BlockCopy] = []
         self.kv_cache_manager = kv_cache_manager
         self._stats = KvtierStats()
-        self._last_evictions = 0
-        self._last_used = -1
+        self._last_counters: dict[str, int] = {}
+        self._last_gauges: dict[str, int] = {}
 
     # --- keys -------------------------------------------------------------
 
@@ -92,12 +96,26 @@ class SchedulerSide:
         """Hash the prompt's blocks when the request arrives, not while it waits to be scheduled."""
         self._keys(self._state(request), request.num_tokens - 1)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         # At least one token must be computed to produce logits.
         limit = request.num_tokens - 1
         keys = self._keys(st, limit)
-        hit = self.store.lookup(keys)
+        probe = self.store.probe(keys)
+        hit = probe.ready
+        if probe.total > probe.ready and probe.total * self.block_tokens > num_computed_tokens:
+            # Part of the prefix is on SSD: promote it to DRAM and have vLLM ask
+            # again (None) until it is there, or until the wait is too long.
+            now = time.monotonic()
+            if st.waiting_since is None:
+                st.waiting_since = now
+            if now - st.waiting_since < self.promote_timeout_s:
+                wanted = keys[probe.ready : probe.total]
+                moving = self.store.promote(wanted)
+                if moving:
+                    st.disk_keys.update(wanted[:moving])
+                    return None, False
+        st.waiting_since = None
         st.hit_blocks = hit
         st.device_tokens = num_computed_tokens
         ext = hit * self.block_tokens - num_computed_tokens
@@ -115,6 +133,7 @@ class SchedulerSide:
         last = (st.device_tokens + num_external_tokens) // self.block_tokens
         block_ids = blocks.get_block_ids()[0]
         keys = st.keys[first:last]
+        st.load_keys = keys
         slots = self.store.pin(keys, self._step)
         for i, (key, slot) in enumerate(zip(keys, slots)):
             # A slot that vanished since the lookup is planned with slot -1:
@@ -167,28 +186,45 @@ class SchedulerSide:
                 self.store.complete_step(step, failed_slots=failed)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
-        return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}
+        if not num_external_tokens:
+            return {}
+        st = self._reqs.get(request.request_id)
+        disk = 0
+        if st is not None and st.disk_keys:
+            disk = sum(1 for k in st.load_keys if k in st.disk_keys) * self.block_tokens
+        disk = min(disk, num_external_tokens)
+        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        return {src: n for src, n in out.items() if n}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         self._reqs.pop(request.request_id, None)
         return False, None
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
+        """The store's counters since the last call, and its gauges when anything changed."""
+        now = self.store.counters()
         stats = self._stats
-        evictions = self.store.evictions
-        used = self.store.used_slots
-        if evictions > self._last_evictions:
-            stats.add("evictions", evictions - self._last_evictions)
-            self._last_evictions = evictions
-        if stats.is_empty() and used == self._last_used:
+        changed = False
+        for name, value in now.items():
+            if name in GAUGES:
+                continue
+            d = value - self._last_counters.get(name, 0)
+            if d:
+                stats.add(name, d)
+                changed = True
+        gauges = {g: now[g] for g in GAUGES}
+        if not changed and stats.is_empty() and gauges == self._last_gauges:
             return None
+        self._last_counters = now
+        self._last_gauges = gauges
         self._stats = KvtierStats()
-        self._last_used = used
-        stats.data["dram_slots_used"] = used
-        stats.data["dram_slots_total"] = self.store.tier.num_slots
+        stats.data.update(gauges)
         return stats
 
     def shutdown(self) -> None:
+        self.store.close()
+        if self.store.ssd is not None:
+            self.store.ssd.close()
         self.store.tier.close()
 
 

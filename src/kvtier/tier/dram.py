@@ -95,6 +95,7 @@ class DramTier:
         self.slot_stride = slot_stride
         self.owner = owner
         self._headers = np.ndarray((num_slots,), dtype=_HEADER, buffer=mm, offset=_PAGE)
+        self._data_off = data_off
         base = torch.frombuffer(mm, dtype=torch.uint8)
         self._slots = base[data_off : data_off + num_slots * slot_stride].view(num_slots, slot_stride)
 
@@ -181,7 +182,20 @@ class DramTier:
         off = rank * self.rank_stride
         return self._slots[slot, off : off + self.rank_bytes]
 
+    def slot_buffer(self, slot: int) -> memoryview:
+        """All of ``slot`` (every rank, ``slot_stride`` bytes, 4 KiB aligned): an O_DIRECT buffer."""
+        off = self._data_off + slot * self.slot_stride
+        return memoryview(self._mm)[off : off + self.slot_stride]
+
     # --- headers ----------------------------------------------------------
+
+    def seal_all(self, slot: int, key: bytes, ready_mask: int, checksums: tuple[int, ...]) -> None:
+        """Restore a whole header, as saved with the block elsewhere (index owner, after a promotion)."""
+        h = self._headers[slot]
+        for rank, digest in enumerate(checksums[:MAX_RANKS]):
+            h["checksum"][rank] = digest
+        h["key"] = np.void(key)
+        h["ready"] = ready_mask
 
     def clear(self, slot: int, key: bytes = bytes(16)) -> None:
         """Mark ``slot`` as holding nothing readable (index owner only)."""

@@ -1,0 +1,199 @@
+"""Disk preparation for the SSD tier: ``kvtier disk prepare | check | release``.
+
+Runs from the command line, as an operator, before and after serving. An
+SSD tier path is a regular file, a partition, a whole disk or a loop device
+on a pre-allocated file (for machines without a spare disk). Every check
+here is the one the SSD tier itself makes at start-up, so a path that passes
+``check`` is accepted by the server.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import shutil
+import stat
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from kvtier.errors import ConfigError
+from kvtier.tier.ssd import PAGE, check_exclusive, device_size
+
+_CHUNK = 1 << 20
+
+
+@dataclass
+class DiskReport:
+    path: str
+    kind: str
+    size_bytes: int = 0
+    exclusive: bool = False
+    direct_io: bool = False
+    read_GBps: float | None = None
+    write_GBps: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def kind_of(path: str) -> str:
+    st = os.stat(path)
+    if stat.S_ISREG(st.st_mode):
+        return "file"
+    if stat.S_ISBLK(st.st_mode):
+        name = os.path.basename(os.path.realpath(path))
+        if name.startswith("loop"):
+            return "loop device"
+        if os.path.exists(f"/sys/class/block/{name}/partition"):
+            return "partition"
+        return "disk"
+    raise ConfigError("path", path, "not a regular file or block device")
+
+
+def prepare(path: str, size_bytes: int, loop: bool = False, force: bool = False) -> str:
+    """Create a pre-allocated file of ``size_bytes``; with ``loop`` attach a loop
+    device with direct I/O on it. Returns the path to configure."""
+    size = size_bytes - size_bytes % PAGE
+    if os.path.exists(path) and not force:
+        raise ConfigError("path", path, "exists (pass --force to reuse it)")
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    free = shutil.disk_usage(parent).free
+    existing = os.path.getsize(path) if os.path.exists(path) else 0
+    if size - existing > free:
+        raise ConfigError("size", size, f"larger than the {free} bytes free in {parent}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+    if not loop:
+        return path
+    if os.geteuid() != 0:
+        raise ConfigError("--loop", path, "attaching a loop device needs root")
+    try:
+        out = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", path], check=True,
+                             capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ConfigError("--loop", path, "losetup is not installed (package util-linux)") from None
+    except subprocess.CalledProcessError as err:
+        raise ConfigError("--loop", path, f"losetup failed: {err.stderr.strip()}") from None
+    return out.stdout.strip()
+
+
+def _exclusive(path: str, st: os.stat_result) -> str | None:
+    """None when nothing else holds ``path``; else why not."""
+    try:
+        check_exclusive(path, st)
+    except ConfigError as err:
+        return err.reason
+    flags = os.O_RDONLY | (os.O_EXCL if stat.S_ISBLK(st.st_mode) else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.EBUSY:
+            return "busy: mounted or opened exclusively by another process"
+        return f"cannot open: {err.strerror}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        return "held by another process (locked, e.g. by a running kvtier)"
+    finally:
+        os.close(fd)
+    return None
+
+
+def check(path: str, bench_bytes: int = 256 << 20) -> DiskReport:
+    """Exclusivity, size, direct-I/O support, and a short non-destructive bandwidth test.
+
+    The bandwidth test reads the last ``bench_bytes`` of the path with
+    O_DIRECT in 1 MiB requests and writes the same bytes back, so it changes
+    nothing on disk. It runs only when nothing else holds the path.
+    """
+    try:
+        rep = DiskReport(path, kind_of(path))
+    except FileNotFoundError:
+        return DiskReport(path, "missing", problems=["does not exist"])
+    except ConfigError as err:
+        return DiskReport(path, "other", problems=[err.reason])
+    st = os.stat(path)
+    why = _exclusive(path, st)
+    rep.exclusive = why is None
+    if why:
+        rep.problems.append(why)
+        return rep  # nothing more is probed on a path that something else holds
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as err:
+        rep.problems.append(f"direct I/O not supported: {err.strerror}")
+        return rep
+    try:
+        rep.size_bytes = device_size(fd)
+        buf = mmap.mmap(-1, _CHUNK)
+        n = os.preadv(fd, [memoryview(buf)[:PAGE]], 0) if rep.size_bytes >= PAGE else 0
+        rep.direct_io = n == PAGE or rep.size_bytes < PAGE
+    except OSError as err:
+        rep.problems.append(f"direct I/O read failed: {err.strerror}")
+    finally:
+        os.close(fd)
+    if rep.size_bytes < 2 * PAGE:
+        rep.problems.append(f"too small: {rep.size_bytes} bytes")
+    if rep.ok and bench_bytes > 0:
+        rep.read_GBps, rep.write_GBps = _bandwidth(path, rep.size_bytes, bench_bytes)
+    return rep
+
+
+def _bandwidth(path: str, size: int, bench_bytes: int) -> tuple[float, float]:
+    n = max(1, min(bench_bytes, size - PAGE) // _CHUNK)
+    start = (size - n * _CHUNK) // PAGE * PAGE
+    keep = [mmap.mmap(-1, _CHUNK) for _ in range(n)]  # what was there, written back unchanged
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        t = time.perf_counter()
+        for i in range(n):
+            os.preadv(fd, [memoryview(keep[i])], start + i * _CHUNK)
+        read_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for i in range(n):
+            os.pwritev(fd, [memoryview(keep[i])], start + i * _CHUNK)
+        os.fdatasync(fd)
+        write_s = time.perf_counter() - t
+    finally:
+        os.close(fd)
+    total = n * _CHUNK
+    return total / read_s / 1e9, total / write_s / 1e9
+
+
+def release(path: str, delete: bool = False) -> list[str]:
+    """Detach a loop device (and with ``delete`` remove its backing file), or
+    remove a regular file with ``delete``. Refuses while anything holds it.
+    Returns what was done, one line each."""
+    st = os.stat(path)
+    why = _exclusive(path, st)
+    if why:
+        raise ConfigError("path", path, f"in use, not released: {why}")
+    done = []
+    if stat.S_ISBLK(st.st_mode):
+        name = os.path.basename(os.path.realpath(path))
+        backing_file = f"/sys/class/block/{name}/loop/backing_file"
+        if not os.path.exists(backing_file):
+            raise ConfigError("path", path, "not a loop device: nothing to release")
+        with open(backing_file) as f:
+            backing = f.read().strip()
+        subprocess.run(["losetup", "-d", path], check=True)
+        done.append(f"detached {path} from {backing}")
+        if delete:
+            os.unlink(backing)
+            done.append(f"deleted {backing}")
+    elif delete:
+        os.unlink(path)
+        done.append(f"deleted {path}")
+    else:
+        done.append(f"{path} is a file: nothing to detach (--delete removes it)")
+    return done

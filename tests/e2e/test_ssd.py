@@ -1,0 +1,61 @@
+"""The SSD tier inside a real vLLM CPU engine: demotion, rewarm, restart recovery."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.tools.server import VllmServer
+from tests.e2e.conftest import BLOCK, complete, delta, server_options, tokens
+
+pytestmark = pytest.mark.e2e
+
+EXT_HITS = "vllm:external_prefix_cache_hits_total"
+DISK = 'vllm:prompt_tokens_cached_by_source_total{source="disk"}'
+DEVICE = 'vllm:prompt_tokens_cached_by_source_total{source="device"}'
+
+
+def ssd_options(model: str, ssd: Path, **extra: object):
+    # float32 blocks of the tiny model are 512 KiB: 16 MiB of DRAM holds ~31
+    # blocks, less than one prompt plus the fillers, so repeats come from SSD.
+    cfg = {"dram_size": "16MB", "ssd_path": str(ssd), "ssd_size": "256MB", **extra}
+    return server_options(model, cfg)
+
+
+def test_repeat_hits_on_ssd_and_survives_restart(tiny_model: str, tmp_path: Path) -> None:
+    ssd = tmp_path / "ssd.img"
+    a = tokens(21, 20 * BLOCK + 5)
+    with VllmServer(ssd_options(tiny_model, ssd), log_path=tmp_path / "ssd1.log") as srv:
+        complete(srv, a)
+        device_hit = complete(srv, a)
+        for i in range(3):  # out of the device cache and out of DRAM
+            complete(srv, tokens(2100 + i, 1500), max_tokens=2)
+        before = srv.metrics()
+        again = complete(srv, a)
+        after = srv.metrics()
+        assert delta(after, before, DEVICE) == 0
+        assert delta(after, before, EXT_HITS) == 20 * BLOCK
+        assert delta(after, before, DISK) > 0, "expected blocks promoted from SSD"
+        assert delta(after, before, "kvtier_blocks_promoted_total") > 0
+        assert delta(before, {}, "kvtier_blocks_demoted_total") > 0
+        assert again["text"] == device_hit["text"]
+        assert "kvtier: SSD tier on" in srv.log_text()
+
+    # A full restart on the same file: the index is recovered from disk and
+    # the first repeat of A hits from SSD.
+    with VllmServer(ssd_options(tiny_model, ssd), log_path=tmp_path / "ssd2.log") as srv:
+        assert "blocks recovered" in srv.log_text()
+        before = srv.metrics()
+        after_restart = complete(srv, a)
+        after = srv.metrics()
+        assert delta(after, before, EXT_HITS) == 20 * BLOCK
+        assert delta(after, before, DISK) == 20 * BLOCK
+        assert after_restart["text"] == device_hit["text"]
+
+    # force_new_disk starts empty.
+    with VllmServer(ssd_options(tiny_model, ssd, force_new_disk=True), log_path=tmp_path / "ssd3.log") as srv:
+        before = srv.metrics()
+        complete(srv, a)
+        after = srv.metrics()
+        assert delta(after, before, EXT_HITS) == 0
