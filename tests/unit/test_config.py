@@ -51,7 +51,7 @@ def test_defaults() -> None:
     assert cfg == KvtierConfig()
     assert cfg.backend is Backend.EMBEDDED
     assert cfg.dram_size_bytes == 1 << 30
-    assert (cfg.evict_threshold_high, cfg.evict_threshold_low) == (95.0, 85.0)
+    assert (cfg.evict_threshold_high, cfg.evict_threshold_low) == (90.0, 80.0)
     assert cfg.verify_checksums is True
     assert cfg.shm_dir == "/dev/shm"
     assert cfg.model_id == ""
@@ -105,7 +105,7 @@ def test_bad_dram_size_is_refused_with_the_key() -> None:
 @pytest.mark.parametrize(
     "extra",
     [
-        {"evict_threshold_low": 95},  # equal to the default high
+        {"evict_threshold_low": 90},  # equal to the default high
         {"evict_threshold_low": 99},
         {"evict_threshold_high": 50, "evict_threshold_low": 50},
         {"evict_threshold_high": "60", "evict_threshold_low": "70"},
