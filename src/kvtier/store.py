@@ -20,7 +20,11 @@ to ``low_pct`` in policy order: a block already on SSD is freed at once; one
 that is not is demoted (written to SSD through a bounded queue, freed once
 durable), unless DRAM usage is at or above ``dram_watermark_pct`` or the
 queue is full, when it is freed without a copy. The SSD tier evicts its
-own least recently used blocks between its own watermarks.
+own least recently used blocks between its own watermarks. Ahead of that,
+once DRAM holds more than ``2 * low - high`` percent, the least recently
+used blocks are copied to SSD in the background ("cleaned"), so that the
+eviction that follows frees them at once: a promotion or a burst of saves
+then finds room without waiting for writes.
 
 Invariants: PENDING and PROMOTING entries are never readable and never
 evicted; pinned and demoting entries are never evicted; a slot (DRAM or SSD)
@@ -64,7 +68,8 @@ class _Entry:
     step: int
     pins: int = 0
     on_ssd: bool = False
-    demoting: bool = False
+    demoting: bool = False  # being written to SSD
+    evict_after: bool = False  # free the DRAM copy once the SSD copy is durable
 
 
 @dataclass
@@ -125,6 +130,7 @@ class _Counters:
     ssd_corrupt: int = 0
     ssd_evictions: int = 0
     last_eviction_log: float = 0.0
+    last_ssd_eviction_log: float = 0.0
     pending_by_step: dict[int, list[bytes]] = field(default_factory=dict)
 
 
@@ -153,7 +159,12 @@ class TieredStore:
         # Re-entrant: a job's done-callback may run on the thread that submitted it.
         self._lock = threading.RLock()
         self._pins_by_step: dict[int, list[bytes]] = {}
-        self._demoting = 0
+        self._demoting = 0  # entries being written to SSD
+        self._freeing = 0  # of those, the ones evicted (freed once written)
+        # Above this many entries, the least recently used blocks are copied to
+        # SSD ahead of need ("cleaned"), so that eviction later frees them at
+        # once instead of waiting for a write.
+        self._clean_mark = max(0, 2 * self._low - self._high)
         self._demote_limit = demote_queue_blocks
         self._inflight: set[Future] = set()
         self._idle = threading.Condition(self._lock)
@@ -248,7 +259,7 @@ class TieredStore:
                 self._make_room_locked(len(wanted))
             for i, key in enumerate(wanted):
                 if not self._free:
-                    if self._demoting:
+                    if self._freeing:
                         # Room is on its way: demotions in flight free their
                         # DRAM slots when durable. Count these as coming, so
                         # the caller asks again instead of giving up.
@@ -342,6 +353,7 @@ class TieredStore:
                     e = self._entries.get(key)
                     if e is not None:
                         e.pins -= 1
+            self._clean_locked()
 
     def discard(self, keys: Iterable[bytes]) -> int:
         """Drop the DRAM copies of ``keys`` (a reader found them corrupt). Returns how many."""
@@ -369,7 +381,26 @@ class TieredStore:
     # --- DRAM room --------------------------------------------------------
 
     def _effective_used(self) -> int:
-        return len(self._entries) - self._demoting
+        return len(self._entries) - self._freeing
+
+    def _clean_locked(self) -> None:
+        if self.ssd is None or len(self._entries) <= self._clean_mark or self._demoting >= self._demote_limit:
+            return
+        batch: list[bytes] = []
+        for key in self._policy.victims():
+            if self._demoting >= self._demote_limit:
+                break
+            e = self._entries[key]
+            if e.on_ssd or e.demoting or e.pins or e.state is not EntryState.READY:
+                continue
+            e.demoting = True
+            self._demoting += 1
+            batch.append(key)
+            if len(batch) == _IO_BATCH:
+                self._submit(self._demote, batch)
+                batch = []
+        if batch:
+            self._submit(self._demote, batch)
 
     def _make_room_locked(self, n_new: int) -> None:
         if self._effective_used() + n_new > self._high:
@@ -382,9 +413,13 @@ class TieredStore:
             if self._effective_used() <= target:
                 break
             e = self._entries[key]
-            if e.pins or e.state is not EntryState.READY or e.demoting:
+            if e.pins or e.state is not EntryState.READY or e.evict_after:
                 continue
-            if self.ssd is None or e.on_ssd:
+            if e.demoting:  # being cleaned already: free it when the write lands
+                e.evict_after = True
+                self._freeing += 1
+                demoted += 1
+            elif self.ssd is None or e.on_ssd:
                 self._drop(key, e)
                 freed += 1
             elif len(self._entries) >= self._watermark or self._demoting >= self._demote_limit:
@@ -392,8 +427,9 @@ class TieredStore:
                 self._drop(key, e)
                 lost += 1
             else:
-                e.demoting = True
+                e.demoting = e.evict_after = True
                 self._demoting += 1
+                self._freeing += 1
                 batch.append(key)
                 demoted += 1
                 if len(batch) == _IO_BATCH:
@@ -440,8 +476,11 @@ class TieredStore:
             self._drop_ssd(key)
             n += 1
         self._c.ssd_evictions += n
-        if n:
-            log.debug("kvtier: SSD eviction: %d blocks", n)
+        now = time.monotonic()
+        if n and now - self._c.last_ssd_eviction_log > 10.0:  # at most one line per 10 s
+            self._c.last_ssd_eviction_log = now
+            log.info("kvtier: SSD eviction: %d blocks dropped; %d/%d slots used; totals: %d evictions",
+                     n, len(self._ssd_entries), self.ssd.num_slots, self._c.ssd_evictions)
 
     def _drop_ssd(self, key: bytes) -> None:
         s = self._ssd_entries.pop(key)
@@ -465,10 +504,15 @@ class TieredStore:
     def _job_done(self, fut: Future) -> None:
         with self._lock:
             self._inflight.discard(fut)
-            if not self._inflight:
-                self._idle.notify_all()
+            self._idle.notify_all()
         if fut.exception() is not None:
             log.error("kvtier: I/O job failed", exc_info=fut.exception())
+
+    def wait_progress(self, timeout_s: float) -> None:
+        """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL."""
+        with self._idle:
+            if self._inflight:
+                self._idle.wait(timeout_s)
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Wait until no demotion or promotion is in flight (tests, shutdown, benchmarks)."""
@@ -524,13 +568,16 @@ class TieredStore:
         e = self._entries[key]
         e.demoting = False
         self._demoting -= 1
+        evict, e.evict_after = e.evict_after, False
+        if evict:
+            self._freeing -= 1
         if ok:
             self._c.demotions += 1
         else:
             self._c.demote_failures += 1
         e.on_ssd = ok
-        # Demotion was started by eviction: free the DRAM copy unless a reader holds it.
-        if e.pins == 0 and e.state is EntryState.READY:
+        # Evicted while it was written: free the DRAM copy unless a reader holds it.
+        if evict and e.pins == 0 and e.state is EntryState.READY:
             self._drop(key, e)
 
     def _promote(self, jobs: list[tuple[bytes, int, SsdLocation, BlockRecord]]) -> None:

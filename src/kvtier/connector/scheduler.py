@@ -54,6 +54,7 @@ class SchedulerSide:
     def __init__(self, store: TieredStore, namespace: KeyNamespace, block_tokens: int, ranks: int,
                  kv_cache_manager: Any = None, promote_timeout_s: float = 5.0) -> None:
         self.promote_timeout_s = promote_timeout_s
+        self.promote_poll_s = 0.001
         self.store = store
         self.block_tokens = block_tokens
         self.ranks = ranks
@@ -114,6 +115,12 @@ class SchedulerSide:
                 moving = self.store.promote(wanted)
                 if moving:
                     st.disk_keys.update(wanted[:moving])
+                    # vLLM asks again on its next pass, at once when it has
+                    # nothing else to run. Give the I/O threads the GIL for a
+                    # moment first: a scheduler spinning on this lookup held
+                    # it so tightly that each read waited out Python's 5 ms
+                    # switch interval (bench/ssd.py).
+                    self.store.wait_progress(self.promote_poll_s)
                     return None, False
         st.waiting_since = None
         st.hit_blocks = hit

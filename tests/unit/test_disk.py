@@ -1,0 +1,115 @@
+"""kvtier.tools.disk: prepare, check and release SSD tier paths (real files, real loop devices)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.tier.ssd import SsdTier
+from kvtier.tools.disk import check, prepare, release
+
+MiB = 1 << 20
+
+
+def test_prepare_creates_a_preallocated_file(tmp_path: Path) -> None:
+    path = prepare(str(tmp_path / "a.img"), 8 * MiB + 100)
+    assert path == str(tmp_path / "a.img")
+    st = os.stat(path)
+    assert st.st_size == 8 * MiB  # rounded down to whole pages
+    assert st.st_blocks * 512 >= 8 * MiB  # allocated, not sparse
+
+
+def test_prepare_refuses_an_existing_file_unless_forced(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.img")
+    prepare(path, MiB)
+    with pytest.raises(ConfigError, match="exists"):
+        prepare(path, MiB)
+    prepare(path, 2 * MiB, force=True)
+    assert os.path.getsize(path) == 2 * MiB
+
+
+def test_prepare_refuses_more_than_the_free_space(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="free"):
+        prepare(str(tmp_path / "huge.img"), shutil.disk_usage(tmp_path).free + (1 << 40))
+
+
+def test_check_reports_a_usable_file_and_leaves_its_bytes_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "a.img"
+    prepare(str(path), 8 * MiB)
+    data = os.urandom(8 * MiB)
+    path.write_bytes(data)
+    rep = check(str(path), bench_bytes=4 * MiB)
+    assert rep.ok, rep.problems
+    assert rep.kind == "file" and rep.exclusive and rep.direct_io
+    assert rep.size_bytes == 8 * MiB
+    assert rep.read_GBps and rep.read_GBps > 0 and rep.write_GBps and rep.write_GBps > 0
+    assert path.read_bytes() == data  # the bandwidth test wrote back what it read
+
+
+def test_check_flags_a_path_held_by_a_running_ssd_tier(tmp_path: Path) -> None:
+    path = tmp_path / "a.img"
+    tier, _ = SsdTier.open([str(path)], 8 * MiB, 4096)
+    try:
+        rep = check(str(path), bench_bytes=MiB)
+        assert not rep.ok and not rep.exclusive
+        assert any("held by another process" in p for p in rep.problems)
+        assert rep.read_GBps is None  # nothing is probed on a held path
+        with pytest.raises(ConfigError, match="in use"):
+            release(str(path), delete=True)
+        assert path.exists()
+    finally:
+        tier.close()
+    assert check(str(path), bench_bytes=0).ok
+
+
+def test_check_flags_missing_and_non_block_paths(tmp_path: Path) -> None:
+    assert check(str(tmp_path / "nope")).problems == ["does not exist"]
+    rep = check("/dev/null")
+    assert not rep.ok and "not a regular file or block device" in rep.problems[0]
+
+
+def test_release_deletes_a_file_only_when_asked(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.img")
+    prepare(path, MiB)
+    assert "nothing to detach" in release(path)[0]
+    assert os.path.exists(path)
+    assert release(path, delete=True) == [f"deleted {path}"]
+    assert not os.path.exists(path)
+
+
+def _loop_devices_work() -> bool:
+    if os.geteuid() != 0 or shutil.which("losetup") is None:
+        return False
+    return subprocess.run(["losetup", "--find"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _loop_devices_work(), reason="needs root and a free loop device")
+def test_loop_device_prepare_check_use_release(tmp_path: Path) -> None:
+    backing = str(tmp_path / "loop.img")
+    dev = prepare(backing, 16 * MiB, loop=True)
+    try:
+        assert dev.startswith("/dev/loop")
+        rep = check(dev, bench_bytes=2 * MiB)
+        assert rep.ok, rep.problems
+        assert rep.kind == "loop device" and rep.size_bytes == 16 * MiB
+        # The SSD tier accepts it, and holds it exclusively while open.
+        tier, recovered = SsdTier.open([dev], None, 4096)
+        try:
+            assert recovered == [] and tier.num_slots > 0
+            with pytest.raises(ConfigError, match="busy|held"):
+                SsdTier.open([dev], None, 4096)
+            assert not check(dev, bench_bytes=0).exclusive
+        finally:
+            tier.close()
+        done = release(dev, delete=True)
+        assert done == [f"detached {dev} from {backing}", f"deleted {backing}"]
+        dev = ""
+        assert not os.path.exists(backing)
+    finally:
+        if dev:
+            subprocess.run(["losetup", "-d", dev], check=False)
