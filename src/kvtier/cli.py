@@ -8,9 +8,10 @@ small test model on disk).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -69,6 +70,101 @@ def _disk_release(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_options(args: argparse.Namespace, url: str, label: str):
+    from kvtier.tools.loadgen import BenchOptions
+
+    return BenchOptions(url=url.rstrip("/"), model=args.served_model, endpoint=args.endpoint,
+                        concurrency=args.concurrency, request_rate=args.request_rate, arrival=args.arrival,
+                        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                        timeout_s=args.timeout, warmup=args.warmup, seed=args.seed, label=label)
+
+
+def _run_with_progress(sessions, opts):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvtier.tools.loadgen import run
+
+    total = sum(len(s.turns) for s in sessions)
+    with Progress(TextColumn(f"[bold]{opts.label}[/]"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task(opts.label, total=total, status="")
+        failed = 0
+
+        def tick(res) -> None:
+            nonlocal failed
+            failed += not res.ok
+            bar.update(task, advance=1, status=f"failed {failed}" if failed else "")
+
+        return run(sessions, opts, tick)
+
+
+def _print_reports(reports, out_dir: str | None, plots: bool) -> None:
+    from kvtier.tools.report import markdown, write_all
+
+    print(markdown(reports))
+    if out_dir:
+        for path in write_all(reports, out_dir, plots=plots):
+            print(f"wrote {path}")
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from kvtier.tools.loadgen import load_workload
+
+    sessions = load_workload(args.dataset, args.num_sessions, args.max_turns)
+    report = _run_with_progress(sessions, _bench_options(args, args.url, args.label))
+    _print_reports([report], args.output, not args.no_plots)
+    return 0 if report.summary["failed"] == 0 else 1
+
+
+def _bench_compare(args: argparse.Namespace) -> int:
+    from kvtier.tools.loadgen import load_workload
+    from kvtier.tools.server import ServerOptions, VllmServer
+
+    sessions = load_workload(args.dataset, args.num_sessions, args.max_turns)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    kvtier_cfg = {"vllm": None, "dram": {"dram_size": args.dram_size},
+                  "ssd": {"dram_size": args.dram_size, "ssd_path": args.ssd_path, "ssd_size": args.ssd_size,
+                          "force_new_disk": True}}
+    unknown = [c for c in configs if c not in kvtier_cfg]
+    if unknown:
+        raise ConfigError("--configs", ",".join(unknown), "expected vllm, dram and/or ssd")
+    if "ssd" in configs and not args.ssd_path:
+        raise ConfigError("--ssd-path", "", "the ssd configuration needs an SSD tier path")
+    reports = []
+    names = {"vllm": "vLLM alone", "dram": "kvtier DRAM", "ssd": "kvtier DRAM + SSD"}
+    for name in configs:
+        opts = ServerOptions(model=args.model_dir, kvtier=kvtier_cfg[name], block_size=args.block_size,
+                             num_gpu_blocks=args.device_blocks, max_num_batched_tokens=args.max_batched_tokens,
+                             max_model_len=args.max_model_len, dtype=args.dtype)
+        log_path = os.path.join(args.output, f"server-{name}.log") if args.output else None
+        if args.output:
+            os.makedirs(args.output, exist_ok=True)
+        print(f"starting vLLM ({names[name]}) ...")
+        with VllmServer(opts, log_path=log_path) as srv:
+            reports.append(_run_with_progress(sessions, _bench_options(args, srv.url, names[name])))
+    _print_reports(reports, args.output, not args.no_plots)
+    return 0 if all(r.summary["failed"] == 0 for r in reports) else 1
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", required=True, help="QA JSONL or ShareGPT multi-turn JSON")
+    p.add_argument("--num-sessions", type=int, default=None, help="use the first N sessions")
+    p.add_argument("--max-turns", type=int, default=None, help="at most N turns per session")
+    p.add_argument("--served-model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--endpoint", default="chat", choices=["chat", "completions"])
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--request-rate", type=float, default=0.0, help="sessions per second (0: no limit)")
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "fixed"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--warmup", type=int, default=0, help="warm-up requests (they fill the cache!)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="directory for results.json, CSV, report.md and plots")
+    p.add_argument("--no-plots", action="store_true")
+
+
 def parser() -> argparse.ArgumentParser:
     from kvtier.tools.model import GEOMETRIES
 
@@ -101,6 +197,27 @@ def parser() -> argparse.ArgumentParser:
     dr.add_argument("path")
     dr.add_argument("--delete", action="store_true")
     dr.set_defaults(func=_disk_release)
+
+    bench = sub.add_parser("bench", help="load an OpenAI-compatible server; TTFT, TPOT, hit rates")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    br = bsub.add_parser("run", help="run a workload against a running server")
+    br.add_argument("--url", default="http://127.0.0.1:8000")
+    br.add_argument("--label", default="run")
+    _add_load_args(br)
+    br.set_defaults(func=_bench_run)
+    bc = bsub.add_parser("compare", help="start vLLM alone / with kvtier DRAM / DRAM + SSD; one report")
+    bc.add_argument("--model-dir", required=True)
+    bc.add_argument("--configs", default="vllm,dram", help="comma list of vllm, dram, ssd")
+    bc.add_argument("--dram-size", default="2GB")
+    bc.add_argument("--ssd-path", default=None)
+    bc.add_argument("--ssd-size", default="8GB")
+    bc.add_argument("--block-size", type=int, default=64)
+    bc.add_argument("--device-blocks", type=int, default=None, help="vLLM device cache in blocks (small: more misses)")
+    bc.add_argument("--max-batched-tokens", type=int, default=2048)
+    bc.add_argument("--max-model-len", type=int, default=16384)
+    bc.add_argument("--dtype", default="bfloat16")
+    _add_load_args(bc)
+    bc.set_defaults(func=_bench_compare)
 
     m = sub.add_parser("model", help="small test models")
     msub = m.add_subparsers(dest="model_command", required=True)
