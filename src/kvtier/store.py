@@ -367,16 +367,44 @@ class TieredStore:
         return n
 
     def clear(self) -> int:
-        """Drop every DRAM and SSD entry not in use (an operator's reset). Returns how many."""
+        """Drop every DRAM and SSD entry not in use (an operator's reset). Returns how many.
+
+        Dropped SSD blocks also get empty headers on disk (on an I/O thread),
+        so a restart does not bring them back; their slots are reused only
+        after that.
+        """
         with self._lock:
             keys = [k for k, e in self._entries.items()
                     if e.pins == 0 and e.state is EntryState.READY and not e.demoting]
             for key in keys:
                 self._drop(key, self._entries[key])
             ssd_keys = [k for k, s in self._ssd_entries.items() if s.ready and s.pins == 0]
+            locs = []
             for key in ssd_keys:
-                self._drop_ssd(key)
+                s = self._ssd_entries.pop(key)
+                self._ssd_policy.remove(key)
+                locs.append(s.loc)
+                e = self._entries.get(key)
+                if e is not None:
+                    e.on_ssd = False
+            if locs:
+                self._submit(self._invalidate, locs)
         return len(keys) + len(ssd_keys)
+
+    def _invalidate(self, locs: list[SsdLocation]) -> None:
+        assert self.ssd is not None
+        try:
+            self.ssd.invalidate(locs)
+            dirty = False
+        except TierIOError as err:
+            log.warning("kvtier: clearing SSD headers failed (%s); the slots are rewritten before reuse", err)
+            dirty = True
+        with self._lock:
+            self._ssd_free.extend(locs)
+            if dirty:
+                self._ssd_dirty.update(locs)
+            else:
+                self._ssd_dirty.difference_update(locs)
 
     # --- DRAM room --------------------------------------------------------
 
@@ -530,6 +558,8 @@ class TieredStore:
                 if got is None or (old is not None and not old.ready):
                     if got is not None:
                         self._ssd_free.append(got[0])
+                        if got[1]:
+                            self._ssd_dirty.add(got[0])
                     self._finish_demotion_locked(key, ok=False)
                     continue
                 loc, reused = got

@@ -1,7 +1,10 @@
-"""Fixtures shared by the unit tests: DRAM arenas in real shared memory.
+"""Fixtures shared by the unit tests: DRAM arenas in real shared memory, SSD
+tiers on real files.
 
 Arenas live in /dev/shm (tmpfs, as in production) under names unique to the
 test process, and are closed and removed at teardown even when a test fails.
+SSD tiers live on files in pytest's ``tmp_path`` (ext4 under /tmp: O_DIRECT
+works there, unlike on tmpfs) and are closed at teardown.
 """
 
 from __future__ import annotations
@@ -9,10 +12,12 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from kvtier.tier import DramTier
+from kvtier.tier.ssd import BlockRecord, IoOps, SsdLocation, SsdTier
 
 SHM_DIR = "/dev/shm"
 
@@ -61,3 +66,49 @@ def _capacity_for(num_slots: int, rank_bytes: int, ranks: int = 1) -> int:
 def capacity_for() -> Callable[..., int]:
     """``capacity_for(num_slots, rank_bytes, ranks=1)``: see :func:`_capacity_for`."""
     return _capacity_for
+
+
+# --- SSD tier -------------------------------------------------------------------
+
+PAGE = 4096
+
+
+def ssd_offsets(slot_bytes: int, slot: int) -> tuple[int, int]:
+    """(header offset, data offset) of ``slot`` in one SSD path, from the
+    documented layout: a 4 KiB superblock, then per slot a 4 KiB header and
+    ``slot_bytes`` of data."""
+    header = PAGE + slot * (PAGE + slot_bytes)
+    return header, header + PAGE
+
+
+def ssd_path_bytes(slots_per_path: int, slot_bytes: int) -> int:
+    """Size of one SSD path that holds exactly ``slots_per_path`` slots."""
+    return PAGE + slots_per_path * (PAGE + slot_bytes)
+
+
+Recovered = list[tuple[SsdLocation, BlockRecord]]
+
+
+@pytest.fixture
+def make_ssd(tmp_path: Path) -> Iterator[Callable[..., tuple[SsdTier, Recovered]]]:
+    """``make_ssd(slots_per_path, slot_bytes, num_paths=1, *, io=None,
+    force_new=False, size_bytes=None)`` opens an SSD tier on files
+    ``ssd0.bin``, ``ssd1.bin``, ... in ``tmp_path``, created with room for
+    ``slots_per_path`` slots each unless ``size_bytes`` says otherwise.
+    Calling it again with the same ``num_paths`` opens the same files (a
+    restart). Returns what :meth:`SsdTier.open` returns; every tier it opened
+    is closed at teardown."""
+    opened: list[SsdTier] = []
+
+    def make(slots_per_path: int, slot_bytes: int, num_paths: int = 1, *, io: IoOps | None = None,
+             force_new: bool = False, size_bytes: int | None = None):
+        paths = [str(tmp_path / f"ssd{i}.bin") for i in range(num_paths)]
+        if size_bytes is None:
+            size_bytes = num_paths * ssd_path_bytes(slots_per_path, slot_bytes)
+        tier, recovered = SsdTier.open(paths, size_bytes, slot_bytes, force_new=force_new, io=io)
+        opened.append(tier)
+        return tier, recovered
+
+    yield make
+    for tier in opened:
+        tier.close()

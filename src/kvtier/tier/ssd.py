@@ -224,7 +224,9 @@ class SsdTier:
                 if any(s[3] != epoch for s in supers):  # type: ignore[index]
                     same = False
             if not same or force_new:
-                epoch = max((s[3] for s in supers if s is not None), default=0) + 1
+                # A random epoch, not the last one plus one: if a superblock
+                # was lost, "last plus one" could revive headers of an old format.
+                epoch = _new_epoch({s[3] for s in supers if s is not None})
                 for p in opened:
                     cls._write_super(p, epoch, io)
                 tier = cls(opened, epoch, io)
@@ -420,6 +422,19 @@ class SsdTier:
         except OSError as err:
             raise TierIOError(err.errno, f"SSD write failed: {err.strerror or err}") from err
 
+    def invalidate(self, locations: Sequence[SsdLocation]) -> None:
+        """Write empty headers at ``locations`` and make them durable: nothing
+        on disk names their blocks any more (an operator's reset)."""
+        hdr = self._header_buf()
+        self._pack_header(hdr, None)
+        try:
+            for loc in locations:
+                p = self._paths[loc.path_index]
+                _write_all(self._io, p.fd, [memoryview(hdr)], p.header_offset(loc.slot))
+            self._sync({loc.path_index for loc in locations})
+        except OSError as err:
+            raise TierIOError(err.errno, f"SSD write failed: {err.strerror or err}") from err
+
     def read(self, loc: SsdLocation, rec: BlockRecord, out: memoryview) -> bool:
         """Read the block at ``loc`` into ``out`` (4 KiB aligned) and verify it.
 
@@ -444,6 +459,13 @@ class SsdTier:
             p = self._paths[i]
             with p.sync_lock:
                 self._io.fdatasync(p.fd)
+
+
+def _new_epoch(taken: set[int]) -> int:
+    while True:
+        epoch = int.from_bytes(os.urandom(8), "little")
+        if epoch and epoch not in taken:
+            return epoch
 
 
 def _write_all(io: IoOps, fd: int, buffers: list[memoryview], offset: int) -> None:

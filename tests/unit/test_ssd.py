@@ -1,0 +1,625 @@
+"""kvtier.tier.ssd: direct-I/O slots on real files, recovery from headers,
+faults at the OS boundary, exclusivity, and crash consistency.
+
+Files live in pytest's ``tmp_path`` (ext4: O_DIRECT works). Faults are
+injected through :class:`IoOps` subclasses only; crashes are real process
+deaths (``os._exit``) in a child process.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvtier.errors import ConfigError, TierIOError
+from kvtier.tier import ssd as ssd_module
+from kvtier.tier.ssd import BlockRecord, IoOps, SsdLocation, SsdTier
+from tests.unit.conftest import PAGE, ssd_offsets, ssd_path_bytes
+
+SLOT = 2 * PAGE
+PER_PATH = 4  # slots per path
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def block_data(key: bytes, seq: int) -> bytes:
+    """The bytes written for version ``seq`` of ``key`` (the crash child computes the same)."""
+    return hashlib.shake_256(key + seq.to_bytes(8, "little")).digest(SLOT)
+
+
+def aligned(data: bytes) -> memoryview:
+    """``data`` in page-aligned anonymous memory: an O_DIRECT buffer."""
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    return memoryview(buf)
+
+
+def record(key: bytes, seq: int, checks: tuple[int, ...] = (11, 22)) -> BlockRecord:
+    return BlockRecord(key, seq, xxhash.xxh3_64_intdigest(block_data(key, seq)), 0b1, checks)
+
+
+def put(tier: SsdTier, blocks: dict[SsdLocation, tuple[bytes, int]],
+        reused: Sequence[SsdLocation] = ()) -> dict[SsdLocation, BlockRecord]:
+    """Write version ``seq`` of ``key`` at each location in one batch."""
+    recs = {loc: record(key, seq) for loc, (key, seq) in blocks.items()}
+    tier.write([(loc, rec, aligned(block_data(rec.key, rec.seq))) for loc, rec in recs.items()], reused)
+    return recs
+
+
+def read_back(tier: SsdTier, loc: SsdLocation, rec: BlockRecord) -> bytes | None:
+    buf = mmap.mmap(-1, tier.slot_bytes)
+    return bytes(buf) if tier.read(loc, rec, memoryview(buf)) else None
+
+
+def padded(rec: BlockRecord) -> BlockRecord:
+    """``rec`` as recovery reports it: DRAM checksums padded to 8 ranks."""
+    return replace(rec, dram_checksums=rec.dram_checksums + (0,) * (8 - len(rec.dram_checksums)))
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Flip one byte on disk through the page cache (not O_DIRECT), as a medium fault would."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --- open and format -----------------------------------------------------
+
+
+def test_open_creates_and_preallocates_files_split_over_paths(make_ssd, tmp_path: Path) -> None:
+    tier, recovered = make_ssd(PER_PATH, SLOT, num_paths=2)
+    assert recovered == []
+    assert tier.paths == [str(tmp_path / "ssd0.bin"), str(tmp_path / "ssd1.bin")]
+    assert (tier.num_slots, tier.slot_bytes) == (2 * PER_PATH, SLOT)
+    for path in tier.paths:
+        st = os.stat(path)
+        assert stat.S_ISREG(st.st_mode)
+        assert st.st_size == ssd_path_bytes(PER_PATH, SLOT)  # half of ssd_size each
+        assert st.st_blocks * 512 >= st.st_size  # posix_fallocate: no holes
+        with open(path, "rb") as f:
+            assert f.read(8) == b"KVTSSD01"  # formatted
+
+
+def test_size_is_split_evenly_and_rounded_down_to_pages(make_ssd) -> None:
+    # 3 slots' worth per path plus change that is not a page: the change is dropped.
+    size = 2 * (ssd_path_bytes(3, SLOT) + 1000)
+    tier, _ = make_ssd(0, SLOT, num_paths=2, size_bytes=size)
+    assert tier.num_slots == 6
+    assert [os.stat(p).st_size for p in tier.paths] == [ssd_path_bytes(3, SLOT)] * 2
+
+
+def test_locations_interleave_paths(make_ssd) -> None:
+    tier, _ = make_ssd(3, SLOT, num_paths=2)
+    assert tier.locations() == [SsdLocation(p, s) for s in range(3) for p in range(2)]
+
+
+def test_write_then_read_is_bit_exact_and_lands_where_documented(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT, num_paths=2)
+    blocks = {loc: (K(i), tier.next_seq()) for i, loc in enumerate(tier.locations())}
+    recs = put(tier, blocks)
+    for loc, rec in recs.items():
+        assert read_back(tier, loc, rec) == block_data(rec.key, rec.seq)
+    # Every block is on the path and at the offset its location names.
+    for loc, rec in recs.items():
+        with open(tier.paths[loc.path_index], "rb") as f:
+            f.seek(ssd_offsets(SLOT, loc.slot)[1])
+            assert f.read(SLOT) == block_data(rec.key, rec.seq)
+
+
+def test_read_verifies_the_data_against_the_record(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT)
+    loc = tier.locations()[0]
+    rec = put(tier, {loc: (K(1), 1)})[loc]
+    assert read_back(tier, loc, rec) is not None
+    assert read_back(tier, loc, replace(rec, checksum=rec.checksum ^ 1)) is None
+    assert read_back(tier, tier.locations()[1], rec) is None  # never written: other bytes
+
+
+# --- recovery ------------------------------------------------------------------
+
+
+def test_reopen_recovers_blocks(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT, num_paths=2)
+    locs = tier.locations()
+    recs = put(tier, {locs[i]: (K(i), 10 + i) for i in range(5)})
+    tier.close()
+    tier, recovered = make_ssd(PER_PATH, SLOT, num_paths=2)
+    assert sorted(recovered, key=lambda lr: lr[1].seq) == [(loc, padded(rec)) for loc, rec in recs.items()]
+    for loc, rec in recovered:
+        assert read_back(tier, loc, rec) == block_data(rec.key, rec.seq)
+    assert tier.next_seq() > 14  # sequence numbers go on from the newest block on disk
+
+
+def test_force_new_forgets_everything(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT)
+    recs = put(tier, {loc: (K(i), i + 1) for i, loc in enumerate(tier.locations())})
+    tier.close()
+    assert len(recs) == tier.num_slots
+    tier, recovered = make_ssd(PER_PATH, SLOT, force_new=True)
+    # Recovery is the only way an index learns of a block: none is left to read.
+    assert recovered == []
+    tier.close()
+    # The new format is what is on disk now: a plain reopen recovers nothing either.
+    assert make_ssd(PER_PATH, SLOT)[1] == []
+
+
+def test_other_slot_size_reformats(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT)
+    put(tier, {loc: (K(i), i + 1) for i, loc in enumerate(tier.locations())})
+    tier.close()
+    # Same files, half the slot size: slot 0's header is at the same offset.
+    tier, recovered = make_ssd(PER_PATH, PAGE, size_bytes=ssd_path_bytes(PER_PATH, SLOT))
+    assert recovered == []
+    assert tier.slot_bytes == PAGE
+    tier.close()
+    # Back to the first size: reformatted again, the first blocks stay forgotten.
+    assert make_ssd(PER_PATH, SLOT)[1] == []
+
+
+def test_flipped_data_byte_fails_read(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT, num_paths=2)
+    locs = tier.locations()
+    recs = put(tier, {locs[0]: (K(0), 1), locs[3]: (K(3), 2)})
+    bad = locs[3]
+    offset = ssd_offsets(SLOT, bad.slot)[1] + SLOT - 1  # the last byte: the checksum covers all of it
+    flip_byte(tier.paths[bad.path_index], offset)
+    assert read_back(tier, bad, recs[bad]) is None
+    assert read_back(tier, locs[0], recs[locs[0]]) is not None
+    flip_byte(tier.paths[bad.path_index], offset)
+    assert read_back(tier, bad, recs[bad]) == block_data(K(3), 2)
+
+
+def test_flipped_header_byte_drops_the_block(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT, num_paths=2)
+    locs = tier.locations()
+    recs = put(tier, {locs[i]: (K(i), i + 1) for i in range(4)})
+    bad = locs[1]
+    flip_byte(tier.paths[bad.path_index], ssd_offsets(SLOT, bad.slot)[0] + 20)  # inside the key
+    tier.close()
+    tier, recovered = make_ssd(PER_PATH, SLOT, num_paths=2)
+    assert {loc for loc, _ in recovered} == set(recs) - {bad}
+    for loc, rec in recovered:
+        assert rec == padded(recs[loc])
+
+
+# --- reuse of slots ---------------------------------------------------------------
+
+
+def test_reused_slot_forgets_the_old_key(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT)
+    locs = tier.locations()
+    old = put(tier, {locs[0]: (K(1), 1), locs[1]: (K(2), 2)})
+    # K(1)'s slot is evicted and reused for K(9); K(2) gets a newer copy in another slot.
+    new = put(tier, {locs[0]: (K(9), 3), locs[2]: (K(2), 4)}, reused=[locs[0]])
+    assert read_back(tier, locs[0], old[locs[0]]) is None
+    assert read_back(tier, locs[0], new[locs[0]]) == block_data(K(9), 3)
+    tier.close()
+    tier, recovered = make_ssd(PER_PATH, SLOT)
+    assert {loc: (rec.key, rec.seq) for loc, rec in recovered} == {
+        locs[0]: (K(9), 3), locs[1]: (K(2), 2), locs[2]: (K(2), 4)}  # both copies of K(2): the caller picks
+
+
+def test_failed_write_into_reused_slot_leaves_no_old_header(make_ssd) -> None:
+    io = FaultIo()
+    tier, _ = make_ssd(PER_PATH, SLOT, io=io)
+    loc = tier.locations()[0]
+    put(tier, {loc: (K(1), 1)})
+    io.arm("pwritev", errno.EIO, nth=1)  # the empty header goes out, the data write fails
+    with pytest.raises(TierIOError):
+        put(tier, {loc: (K(9), 2)}, reused=[loc])
+    tier.close()
+    _, recovered = make_ssd(PER_PATH, SLOT)
+    assert recovered == []
+
+
+# --- faults at the OS boundary -----------------------------------------------------
+
+
+class FaultIo(IoOps):
+    """Fails one OS call after :meth:`arm`: the ``nth`` call (from 0) of
+    ``op`` raises ``OSError(err)``, or, with ``err=None``, comes up one page
+    short (a header read or write: nothing at all)."""
+
+    def __init__(self) -> None:
+        self.op: str | None = None
+        self.err: int | None = None
+        self.left = 0
+        self.fired = False
+
+    def arm(self, op: str, err: int | None, nth: int = 0) -> None:
+        self.op, self.err, self.left, self.fired = op, err, nth, False
+
+    def _fire(self, op: str) -> bool:
+        if self.op != op:
+            return False
+        if self.left:
+            self.left -= 1
+            return False
+        self.op, self.fired = None, True
+        if self.err is not None:
+            raise OSError(self.err, os.strerror(self.err))
+        return True
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if self._fire("pwritev"):
+            [buf] = buffers
+            return os.pwritev(fd, [memoryview(buf)[: len(buf) - PAGE]], offset) if len(buf) > PAGE else 0
+        return super().pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if self._fire("preadv"):
+            [buf] = buffers
+            return os.preadv(fd, [memoryview(buf)[: len(buf) - PAGE]], offset) if len(buf) > PAGE else 0
+        return super().preadv(fd, buffers, offset)
+
+    def fdatasync(self, fd: int) -> None:
+        if self._fire("fdatasync"):
+            return
+        super().fdatasync(fd)
+
+
+# One batch of 2 blocks, one into a reused slot, on one path: pwritev 0 is
+# the empty header, 1-2 the data, 3-4 the headers; fdatasync 0-2 one per phase.
+@pytest.mark.parametrize(("op", "nth", "err"), [
+    ("pwritev", 0, errno.ENOSPC),
+    ("pwritev", 1, errno.ENOSPC),
+    ("pwritev", 2, errno.EIO),
+    ("pwritev", 4, errno.EIO),
+    ("pwritev", 1, None),  # short data write
+    ("pwritev", 3, None),  # short header write
+    ("fdatasync", 0, errno.EIO),
+    ("fdatasync", 2, errno.EIO),
+])
+def test_write_fault_raises_tier_io_error(make_ssd, op: str, nth: int, err: int | None) -> None:
+    io = FaultIo()
+    tier, _ = make_ssd(PER_PATH, SLOT, io=io)
+    locs = tier.locations()
+    put(tier, {locs[0]: (K(0), 1)})
+    io.arm(op, err, nth)
+    with pytest.raises(TierIOError) as info:
+        put(tier, {locs[0]: (K(1), 2), locs[1]: (K(2), 3)}, reused=[locs[0]])
+    assert io.fired
+    assert info.value.errno == (err if err is not None else errno.EIO)
+    # Whatever reached the disk is self-consistent ...
+    tier.close()
+    tier, recovered = make_ssd(PER_PATH, SLOT, io=io)
+    for loc, rec in recovered:
+        assert read_back(tier, loc, rec) == block_data(rec.key, rec.seq)
+    # ... and the tier goes on working (the caller treats the batch's slots as reused).
+    again = put(tier, {locs[0]: (K(3), 4), locs[1]: (K(4), 5)}, reused=locs[:2])
+    for loc, rec in again.items():
+        assert read_back(tier, loc, rec) == block_data(rec.key, rec.seq)
+
+
+def test_read_eio_raises_tier_io_error(make_ssd) -> None:
+    io = FaultIo()
+    tier, _ = make_ssd(PER_PATH, SLOT, io=io)
+    loc = tier.locations()[0]
+    rec = put(tier, {loc: (K(0), 1)})[loc]
+    io.arm("preadv", errno.EIO)
+    with pytest.raises(TierIOError) as info:
+        read_back(tier, loc, rec)
+    assert info.value.errno == errno.EIO
+    assert read_back(tier, loc, rec) == block_data(K(0), 1)
+
+
+def test_short_read_is_a_miss(make_ssd) -> None:
+    io = FaultIo()
+    tier, _ = make_ssd(PER_PATH, SLOT, io=io)
+    loc = tier.locations()[0]
+    rec = put(tier, {loc: (K(0), 1)})[loc]
+    io.arm("preadv", None)
+    # The buffer already holds the block (a slot read into before): only the
+    # count can tell that this read came up short.
+    out = aligned(block_data(K(0), 1))
+    assert not tier.read(loc, rec, out)
+    assert io.fired
+    assert read_back(tier, loc, rec) == block_data(K(0), 1)
+
+
+# --- what may be opened ------------------------------------------------------------
+
+
+def test_same_file_twice_is_refused(make_ssd, tmp_path: Path) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT, num_paths=2)
+    loc = tier.locations()[0]
+    rec = put(tier, {loc: (K(0), 1)})[loc]
+    with pytest.raises(ConfigError) as info:
+        make_ssd(PER_PATH, SLOT, num_paths=2)
+    assert info.value.key == "ssd_path"
+    assert info.value.value == str(tmp_path / "ssd0.bin")
+    assert "held by another process" in str(info.value)
+    assert read_back(tier, loc, rec) is not None  # the holder is undisturbed
+
+
+def test_refused_second_path_releases_the_first(make_ssd, tmp_path: Path) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT, num_paths=2)
+    tier.close()
+    holder, _ = SsdTier.open([str(tmp_path / "ssd1.bin")], None, SLOT)
+    try:
+        with pytest.raises(ConfigError) as info:
+            make_ssd(PER_PATH, SLOT, num_paths=2)
+        assert info.value.value == str(tmp_path / "ssd1.bin")
+        # ssd0.bin was opened and locked on the way: it must have been let go.
+        assert _unlocked(str(tmp_path / "ssd0.bin"))
+    finally:
+        holder.close()
+
+
+@pytest.mark.parametrize("kind", ["directory", "char device"])
+def test_not_a_file_or_block_device_is_refused(tmp_path: Path, kind: str) -> None:
+    path = str(tmp_path) if kind == "directory" else "/dev/null"
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([path], 1 << 20, SLOT)
+    assert (info.value.key, info.value.value) == ("ssd_path", path)
+    assert "not a regular file or block device" in str(info.value)
+
+
+def test_missing_file_without_size_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "absent.bin")
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([path], None, SLOT)
+    assert (info.value.key, info.value.value) == ("ssd_path", path)
+    assert not os.path.exists(path)
+
+
+def test_missing_directory_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "nowhere" / "ssd.bin")
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([path], 1 << 20, SLOT)
+    assert info.value.value == path
+
+
+def test_file_too_small_for_one_slot_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "small.bin")
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([path], PAGE + SLOT, SLOT)  # room for the superblock and the data, not the header
+    assert info.value.value == path
+    assert "too small" in str(info.value)
+    assert _unlocked(path)  # closed on the way out
+
+
+def _unlocked(path: str) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        SsdTier.open([str(tmp_path / "a")], 1 << 20, SLOT + 512)
+    with pytest.raises(ConfigError):
+        SsdTier.open([], 1 << 20, SLOT)
+
+
+class NoOpenIo(IoOps):
+    """Fails the test if the tier tries to open anything."""
+
+    def open(self, path: str, flags: int) -> int:
+        raise AssertionError(f"opened {path}")
+
+
+def _block_node(rdev: int) -> str | None:
+    for name in sorted(os.listdir("/dev")):
+        path = os.path.join("/dev", name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISBLK(st.st_mode) and st.st_rdev == rdev:
+            return path
+    return None
+
+
+def test_mounted_block_device_is_refused_before_open() -> None:
+    # SsdTier._open_path runs check_exclusive on the stat result before any
+    # open; NoOpenIo makes sure of it, so nothing can touch the device.
+    node = _block_node(os.stat("/").st_dev)
+    if node is None:
+        pytest.skip("no block device node in /dev holds /")
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([node], None, SLOT, io=NoOpenIo())
+    assert (info.value.key, info.value.value) == ("ssd_path", node)
+    assert "mounted" in str(info.value)
+
+
+def test_disk_with_a_mounted_partition_is_refused_before_open() -> None:
+    dev = os.stat("/").st_dev
+    disk = ssd_module._whole_disk_of(dev)
+    node = _block_node(disk) if disk is not None else None
+    if node is None:
+        pytest.skip("/ is not on a partition of a disk with a node in /dev")
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([node], None, SLOT, io=NoOpenIo())
+    assert "partition of this device is mounted" in str(info.value)
+
+
+# --- crash consistency ------------------------------------------------------------
+
+# The child loads tier/ssd.py on its own rather than through kvtier.tier,
+# whose __init__ imports the DRAM tier and with it torch: 2 s per child,
+# times ~150 crash points. ssd.py itself needs only kvtier.errors and xxhash.
+_CRASH_CHILD = textwrap.dedent("""
+    import hashlib, importlib.util, json, mmap, os, sys
+    import xxhash
+
+    plan = json.loads(sys.argv[1])
+    spec = importlib.util.spec_from_file_location("kvtier_ssd_under_test", plan["module"])
+    ssd = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ssd
+    spec.loader.exec_module(ssd)
+    crash_at, mode, slot_bytes = plan["crash_at"], plan["mode"], plan["slot_bytes"]
+
+    def aligned(data):
+        buf = mmap.mmap(-1, len(data))
+        buf[:] = data
+        return memoryview(buf)
+
+    class CrashIo(ssd.IoOps):
+        # Writes wait in a volatile cache until fdatasync of their file, as
+        # on a disk with a write cache. The process dies before I/O call
+        # number crash_at; the cache then reaches the disk in part, per mode.
+        def __init__(self):
+            self.calls = 0
+            self.cache = {}
+
+        def _tick(self):
+            if self.calls == crash_at:
+                for fd, writes in self.cache.items():
+                    kept = {"kept": writes, "lost": [], "odd": writes[1::2]}[mode]
+                    for offset, data in kept:
+                        os.pwritev(fd, [aligned(data)], offset)
+                os._exit(9)
+            self.calls += 1
+
+        def pwritev(self, fd, buffers, offset):
+            self._tick()
+            data = b"".join(bytes(b) for b in buffers)
+            self.cache.setdefault(fd, []).append((offset, data))
+            return len(data)
+
+        def fdatasync(self, fd):
+            self._tick()
+            for offset, data in self.cache.pop(fd, []):
+                os.pwritev(fd, [aligned(data)], offset)
+            os.fdatasync(fd)
+
+    io = CrashIo()
+    tier, _ = ssd.SsdTier.open(plan["paths"], None, slot_bytes, io=io)
+    assert io.calls == 0  # the files were formatted by the parent
+    for i, batch in enumerate(plan["batches"]):
+        print("begin", i, flush=True)
+        items = []
+        for p, s, key_hex, seq in batch["items"]:
+            key = bytes.fromhex(key_hex)
+            data = hashlib.shake_256(key + seq.to_bytes(8, "little")).digest(slot_bytes)  # block_data()
+            rec = ssd.BlockRecord(key, seq, xxhash.xxh3_64_intdigest(data), 1, (seq,))
+            items.append((ssd.SsdLocation(p, s), rec, aligned(data)))
+        tier.write(items, [ssd.SsdLocation(p, s) for p, s in batch["reused"]])
+        print("done", i, flush=True)
+    print("calls", io.calls, flush=True)
+""")
+
+Loc = tuple[int, int]
+Batch = tuple[dict[Loc, tuple[bytes, int]], list[Loc]]  # (location -> (key, seq)), reused
+
+CRASH_PER_PATH = 6
+# Written by the parent before each child: K(0..7) over both paths, seq 1..8.
+_SETUP: dict[Loc, tuple[bytes, int]] = {(i % 2, i // 2): (K(i), i + 1) for i in range(8)}
+_N = [K(100 + i) for i in range(5)]
+# One batch after an earlier write: two slots evicted and reused by new keys,
+# a newer copy of K(2) in a fresh slot, a newer copy of K(3) into its own slot.
+_ONE_BATCH: list[Batch] = [
+    ({(0, 0): (_N[0], 9), (1, 0): (_N[1], 10), (0, 4): (K(2), 11), (1, 1): (K(3), 12), (1, 4): (_N[2], 13)},
+     [(0, 0), (1, 0), (1, 1)]),
+]
+# Evict then reuse, twice: batch 1 reuses a slot batch 0 filled, K(0) comes
+# back into another key's slot, K(2)'s slot goes to a new key.
+_SEQUENCE: list[Batch] = [
+    ({(0, 0): (_N[0], 9), (1, 0): (_N[1], 10), (0, 4): (_N[2], 11)}, [(0, 0), (1, 0)]),
+    ({(1, 0): (K(0), 12), (0, 1): (_N[3], 13), (1, 4): (_N[0], 14)}, [(1, 0), (0, 1)]),
+]
+
+
+def _io_calls(batch: Batch) -> int:
+    """pwritev and fdatasync calls of one batch in the documented order."""
+    blocks, reused = batch
+    paths = {p for p, _ in blocks}
+    return len(reused) + len({p for p, _ in reused}) + 2 * (len(blocks) + len(paths))
+
+
+def _run_crash_child(paths: list[str], batches: list[Batch], crash_at: int,
+                     mode: str) -> tuple[int, list[str]]:
+    plan = {
+        "module": ssd_module.__file__, "paths": paths, "slot_bytes": SLOT,
+        "crash_at": crash_at, "mode": mode,
+        "batches": [{"items": [[p, s, key.hex(), seq] for (p, s), (key, seq) in blocks.items()],
+                     "reused": [list(loc) for loc in reused]} for blocks, reused in batches],
+    }
+    out = subprocess.run([sys.executable, "-c", _CRASH_CHILD, json.dumps(plan)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode in (0, 9), out.stderr
+    return out.returncode, out.stdout.splitlines()
+
+
+def _check_after_crash(paths: list[str], batches: list[Batch],
+                       log: list[str]) -> dict[Loc, tuple[bytes, int]]:
+    """Reopen after the child died and check what recovery finds; returns it by location."""
+    every = [_SETUP] + [blocks for blocks, _ in batches]
+    written = {(key, seq): loc for blocks in every for loc, (key, seq) in blocks.items()}
+    begun = {int(line.split()[1]) for line in log if line.startswith("begin")}
+    done = {int(line.split()[1]) for line in log if line.startswith("done")}
+    tier, recovered = SsdTier.open(paths, None, SLOT)
+    try:
+        found: dict[Loc, tuple[bytes, int]] = {}
+        for loc, rec in recovered:
+            where = (loc.path_index, loc.slot)
+            # A header only ever names a block that was written, where it was written ...
+            assert written.get((rec.key, rec.seq)) == where, (where, rec)
+            assert rec.checksum == xxhash.xxh3_64_intdigest(block_data(rec.key, rec.seq))
+            # ... and its data is all there.
+            assert read_back(tier, loc, rec) == block_data(rec.key, rec.seq), (where, rec)
+            found[where] = (rec.key, rec.seq)
+    finally:
+        tier.close()
+    # Durability: a block whose batch returned is there unless a batch that
+    # has begun since then writes to its slot.
+    finished = [(-1, _SETUP)] + [(i, batches[i][0]) for i in sorted(done)]
+    for i, blocks in finished:
+        for loc, block in blocks.items():
+            later = [j for j in begun if j > i and (loc in batches[j][0] or loc in batches[j][1])]
+            if not later:
+                assert found.get(loc) == block, (loc, block, log)
+    return found
+
+
+@pytest.mark.parametrize("mode", ["kept", "lost", "odd"])
+@pytest.mark.parametrize("batches", [_ONE_BATCH, _SEQUENCE], ids=["one-batch", "evict-reuse-sequence"])
+def test_crash_at_every_io_call_leaves_only_verified_blocks(tmp_path: Path, batches: list[Batch],
+                                                             mode: str) -> None:
+    total = sum(_io_calls(b) for b in batches)
+    crash_at = 0
+    while True:
+        run = tmp_path / str(crash_at)
+        run.mkdir()
+        paths = [str(run / "ssd0.bin"), str(run / "ssd1.bin")]
+        tier, _ = SsdTier.open(paths, 2 * ssd_path_bytes(CRASH_PER_PATH, SLOT), SLOT)
+        put(tier, {SsdLocation(*loc): block for loc, block in _SETUP.items()})
+        tier.close()
+        rc, log = _run_crash_child(paths, batches, crash_at, mode)
+        found = _check_after_crash(paths, batches, log)
+        if rc == 0:
+            break
+        assert crash_at < total, log  # it should have finished by now
+        crash_at += 1
+    assert crash_at == total and log[-1] == f"calls {total}"
+    # With no crash, each slot holds the last block written to it.
+    final = dict(_SETUP)
+    for blocks, _ in batches:
+        final.update(blocks)
+    assert found == final

@@ -1,0 +1,530 @@
+"""kvtier.store with an SSD tier: demotion, promotion (rewarm), both tiers'
+evictions, I/O faults, restart recovery.
+
+A real DRAM arena of 10 slots in /dev/shm and a real SSD tier of 32 slots on
+two files in ``tmp_path``; the store's own I/O threads do the moves. The
+store may copy blocks to SSD ahead of eviction ("cleaning"), so the tests
+assert what must hold either way: which keys are where, what eviction
+counted, and that bytes come back exact; demotion counts are lower bounds.
+
+The OS boundary of the SSD tier is :class:`DiskIo`: it can hold reads or
+writes at a gate, fail writes, and it audits every data write (no block's
+data may be overwritten while a header on disk still names it). Tests wait
+for I/O with ``wait_idle`` or for a condition with a generous deadline,
+never by sleeping for a guessed time.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import torch
+import xxhash
+
+from kvtier.store import Probe, TieredStore
+from kvtier.tier import DramTier
+from kvtier.tier.dram import checksum
+from kvtier.tier.ssd import BlockRecord, IoOps, SsdTier
+from tests.unit.conftest import PAGE, Recovered, ssd_offsets
+
+pytestmark = pytest.mark.timeout(120)  # a lost wakeup fails the test instead of hanging the run
+
+RANK_BYTES = PAGE  # one rank: DRAM slot_stride == SSD slot_bytes == 4 KiB
+DRAM_SLOTS = 10
+SSD_PER_PATH = 16
+HDR_MAGIC = b"KVTBLK01"  # the first bytes of a slot header that names a block (tier/ssd.py)
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def block(key: bytes, version: int = 0) -> bytes:
+    return hashlib.shake_256(key + version.to_bytes(4, "little")).digest(RANK_BYTES)
+
+
+class DiskIo(IoOps):
+    """The SSD tier's OS calls, with gates, a failure switch and a write-order audit.
+
+    ``reads`` / ``writes``: events; a preadv / pwritev waits until its event
+    is set (both start set). ``fail_writes``: pwritev raises EIO. Every data
+    write first reads the slot's header from the disk: if it still names a
+    block, the write is recorded in ``violations`` (SsdTier.write step 1 and
+    the store's dirty-slot tracking exist to prevent exactly that).
+    """
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.stride = PAGE + slot_bytes
+        self.reads = threading.Event()
+        self.writes = threading.Event()
+        self.reads.set()
+        self.writes.set()
+        self.fail_writes = False
+        self.violations: list[tuple[int, int]] = []
+        self.data_writes = 0
+        self.written: set[tuple[int, int]] = set()  # (fd, data offset) ever written
+        self.header_keys: list[bytes] = []  # key of every block header written, in order
+        self._lock = threading.Lock()
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        assert self.reads.wait(60)
+        return super().preadv(fd, buffers, offset)
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        assert self.writes.wait(60)
+        if self.fail_writes:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        if offset >= PAGE and (offset - PAGE) % self.stride == 0 and bytes(buffers[0][:8]) == HDR_MAGIC:
+            with self._lock:
+                self.header_keys.append(bytes(buffers[0][16:32]))  # magic, epoch, key
+        if offset >= PAGE and (offset - PAGE) % self.stride == PAGE:
+            header = mmap.mmap(-1, PAGE)
+            os.preadv(fd, [header], offset - PAGE)
+            with self._lock:
+                self.data_writes += 1
+                self.written.add((fd, offset))
+                if header[:8] == HDR_MAGIC:
+                    self.violations.append((fd, offset))
+        return super().pwritev(fd, buffers, offset)
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Wait until ``cond()`` holds (a deadline against hangs, not a timing assert)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def dram(make_tier, capacity_for) -> DramTier:
+    tier = make_tier(capacity_for(DRAM_SLOTS, RANK_BYTES), RANK_BYTES)
+    assert tier.num_slots == DRAM_SLOTS and tier.slot_stride == RANK_BYTES
+    return tier
+
+
+@pytest.fixture
+def disk() -> DiskIo:
+    return DiskIo(RANK_BYTES)
+
+
+@pytest.fixture
+def open_ssd(make_ssd, disk: DiskIo) -> Callable[[], tuple[SsdTier, Recovered]]:
+    """Open (or, called again, reopen) the SSD tier: 2 paths x 16 slots, through ``disk``."""
+    return lambda: make_ssd(SSD_PER_PATH, RANK_BYTES, num_paths=2, io=disk)
+
+
+@pytest.fixture
+def make_store(dram: DramTier, open_ssd, disk: DiskIo) -> Iterator[Callable[..., TieredStore]]:
+    """``make_store(ssd=None, recovered=(), **kwargs)``: a store over ``dram``
+    and an SSD tier (a new one unless given). DRAM marks default to high 8,
+    low 5 and no DRAM watermark. Closed at teardown, after which the write
+    order audit must be clean."""
+    stores: list[TieredStore] = []
+
+    def make(ssd: SsdTier | None = None, recovered=(), **kwargs) -> TieredStore:
+        if ssd is None:
+            ssd, recovered = open_ssd()
+        kwargs = {"high_pct": 80, "low_pct": 50, "dram_watermark_pct": 100, **kwargs}
+        store = TieredStore(dram, ssd=ssd, recovered=recovered, **kwargs)
+        stores.append(store)
+        return store
+
+    yield make
+    disk.reads.set()
+    disk.writes.set()
+    for store in stores:
+        store.close()
+    assert disk.violations == []
+
+
+def save(store: TieredStore, keys: list[bytes], step: int) -> list[int | None]:
+    """What the workers do for a save in ``step``: fill each slot handed out, seal it, report."""
+    tier = store.tier
+    slots = store.prepare_save(keys, step)
+    for key, slot in zip(keys, slots):
+        if slot is not None:
+            view = tier.rank_view(slot, 0)
+            view.copy_(torch.frombuffer(bytearray(block(key)), dtype=torch.uint8))
+            tier.seal(slot, key, 0, checksum(view))
+    store.complete_step(step)
+    return slots
+
+
+def save_each(store: TieredStore, keys: list[bytes], first_step: int = 0) -> dict[bytes, int]:
+    """One key per step, waiting for the I/O each step starts; every key must get a slot."""
+    slots = {}
+    for i, key in enumerate(keys):
+        [slots[key]] = save(store, [key], first_step + i)
+        assert slots[key] is not None
+        assert store.wait_idle()
+    return slots
+
+
+def dram_bytes(store: TieredStore, key: bytes, step: int = 1000) -> bytes | None:
+    """Pin ``key``, check its DRAM slot like a reader does, and return its bytes."""
+    [slot] = store.pin([key], step)
+    try:
+        if slot is None or not store.tier.verify(slot, key, 0):
+            return None
+        return bytes(store.tier.rank_view(slot, 0).numpy())
+    finally:
+        store.complete_step(step)
+
+
+def in_dram(store: TieredStore, keys: list[bytes]) -> list[bytes]:
+    return [k for k in keys if store.contains(k)]
+
+
+def on_ssd(store: TieredStore, keys: list[bytes]) -> list[bytes]:
+    """Keys the SSD holds and DRAM does not (probe one at a time)."""
+    return [k for k in keys if not store.contains(k) and store.probe([k]).total == 1]
+
+
+def find_on_disk(ssd: SsdTier, key: bytes) -> tuple[str, int]:
+    """(path, data offset) of the slot whose header names ``key``, by scanning the files."""
+    for path in ssd.paths:
+        with open(path, "rb") as f:
+            for slot in range(SSD_PER_PATH):
+                header, data = ssd_offsets(RANK_BYTES, slot)
+                f.seek(header)
+                h = f.read(32)
+                if h[:8] == HDR_MAGIC and h[16:32] == key:  # magic, epoch, key
+                    return path, data
+    raise AssertionError(f"{key.hex()} not on disk")
+
+
+KEYS = [K(i) for i in range(40)]
+
+
+# --- demotion -----------------------------------------------------------------------
+
+
+def test_ssd_slot_size_must_match(dram: DramTier, make_ssd) -> None:
+    ssd, _ = make_ssd(4, 2 * RANK_BYTES)
+    with pytest.raises(ValueError):
+        TieredStore(dram, ssd=ssd)
+
+
+def test_saving_past_high_demotes_lru_blocks(make_store) -> None:
+    store = make_store()
+    slots = save_each(store, KEYS[:8])
+    assert store.counters()["evictions"] == 0
+    assert in_dram(store, KEYS[:8]) == KEYS[:8]
+    slots.update(save_each(store, KEYS[8:9], first_step=8))  # 8 + 1 > high 8: down to 4, then K8
+    c = store.counters()
+    assert (c["evictions"], c["evicted_without_copy"], c["demote_failures"]) == (4, 0, 0)
+    assert c["blocks_demoted"] >= 4 and c["ssd_slots_used"] >= 4
+    assert c["dram_slots_used"] == 5
+    assert in_dram(store, KEYS[:9]) == KEYS[4:9]
+    assert on_ssd(store, KEYS[:9]) == KEYS[:4]
+    freed = {slots[k] for k in KEYS[:4]} - {slots[KEYS[8]]}  # K8 may have taken one of them
+    assert len(freed) >= 3
+    for slot in freed:  # freed DRAM slots are cleared
+        assert store.tier.header(slot).ready_mask == 0
+    # probe: total runs over DRAM and SSD, ready only over the leading DRAM run.
+    assert store.probe(KEYS[:9]) == Probe(0, 9)
+    assert store.probe(KEYS[4:9] + KEYS[:4]) == Probe(5, 9)
+    assert store.probe([KEYS[4], KEYS[5], KEYS[0], KEYS[6]]) == Probe(2, 4)
+    assert store.probe([KEYS[4], KEYS[30], KEYS[0]]) == Probe(1, 1)
+    assert store.probe([KEYS[30], KEYS[4]]) == Probe(0, 0)
+    assert store.lookup(KEYS[4:9] + KEYS[:4]) == 5
+    stats = store.statistics()
+    assert stats.demotions == c["blocks_demoted"] and stats.ssd_slots == 32
+
+
+def test_promote_brings_blocks_back_bit_exact(make_store) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])
+    assert on_ssd(store, KEYS[:9]) == KEYS[:4]
+    assert store.promote(KEYS[:4]) == 4
+    assert store.wait_idle()
+    assert store.probe(KEYS[:4]) == Probe(4, 4)
+    for key in KEYS[:4]:
+        [slot] = store.pin([key], step=50)
+        assert slot is not None
+        assert bytes(store.tier.rank_view(slot, 0).numpy()) == block(key)
+        assert store.tier.verify(slot, key, 0)  # DRAM header restored from the SSD header
+    store.complete_step(50)
+    c = store.counters()
+    assert (c["blocks_promoted"], c["promote_failures"], c["ssd_corrupt_blocks"]) == (4, 0, 0)
+
+
+def test_promote_counts_and_skips(make_store) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])
+    assert store.promote([KEYS[30]]) == 0  # nowhere
+    assert store.promote([KEYS[8], KEYS[0]]) == 1  # K8 is in DRAM already: only K0 moves
+    assert store.promote([KEYS[1], KEYS[30], KEYS[2]]) == 1  # stops at the first key held nowhere
+    assert store.wait_idle()
+    assert store.probe([KEYS[0], KEYS[1]]) == Probe(2, 2)
+    assert store.probe([KEYS[2]]) == Probe(0, 1)
+
+
+def test_key_saved_again_is_not_counted_while_pending(make_store) -> None:
+    # A worker is writing the key into DRAM although it is on SSD: it can be
+    # neither read nor promoted until the step completes, so probe stops there.
+    store = make_store()
+    save_each(store, KEYS[:9])
+    assert store.prepare_save([KEYS[0]], step=80) != [None]
+    assert store.probe([KEYS[0], KEYS[1]]) == Probe(0, 0)
+    assert store.promote([KEYS[0]]) == 0
+    store.complete_step(80)
+    assert store.probe([KEYS[0], KEYS[1]]) == Probe(1, 2)
+
+
+def test_promoting_blocks_are_counted_but_not_readable(make_store, disk: DiskIo) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])
+    disk.reads.clear()
+    assert store.promote(KEYS[:2]) == 2
+    assert store.promote(KEYS[:2]) == 2  # already on their way: counted, not started twice
+    assert store.probe(KEYS[:2]) == Probe(0, 2)
+    assert store.pin(KEYS[:2], step=60) == [None, None]
+    assert store.prepare_save(KEYS[:2], step=60) == [None, None]  # held: nobody may write them
+    assert store.discard(KEYS[:2]) == 0
+    disk.reads.set()
+    assert store.wait_idle()
+    store.complete_step(60)
+    assert store.probe(KEYS[:2]) == Probe(2, 2)
+    assert [dram_bytes(store, k) for k in KEYS[:2]] == [block(k) for k in KEYS[:2]]
+    assert store.counters()["blocks_promoted"] == 2
+
+
+def test_promoted_block_evicted_again_is_not_rewritten(make_store, disk: DiskIo) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])
+    store.promote(KEYS[:4])
+    assert store.wait_idle()
+    assert in_dram(store, KEYS[:4]) == KEYS[:4]
+    written = len(disk.header_keys)
+    # Push K0..K3 out of DRAM again: they are the oldest once K4..K8 are touched.
+    store.probe(KEYS[4:9])
+    save_each(store, KEYS[9:20], first_step=20)
+    assert in_dram(store, KEYS[:4]) == []
+    assert on_ssd(store, KEYS[:4]) == KEYS[:4]
+    assert not set(disk.header_keys[written:]) & set(KEYS[:4])  # their SSD copies stand
+    assert store.counters()["evicted_without_copy"] == 0
+
+
+# --- corruption and faults ------------------------------------------------------------
+
+
+def test_corrupt_ssd_block_is_not_promoted(make_store) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])
+    path, data = find_on_disk(store.ssd, KEYS[1])
+    with open(path, "r+b") as f:
+        f.seek(data + 100)
+        b = f.read(1)
+        f.seek(data + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    before = store.counters()
+    assert store.promote(KEYS[:3]) == 3
+    assert store.wait_idle()
+    c = store.counters()
+    assert (c["blocks_promoted"], c["promote_failures"], c["ssd_corrupt_blocks"]) == (2, 1, 1)
+    assert store.probe([KEYS[1]]) == Probe(0, 0)  # gone from DRAM and SSD
+    assert not store.contains(KEYS[1])
+    assert c["ssd_slots_used"] == before["ssd_slots_used"] - 1
+    assert c["dram_slots_used"] == before["dram_slots_used"] + 2  # K1's slot went back
+    assert store.probe([KEYS[0], KEYS[2]]) == Probe(2, 2)
+    assert dram_bytes(store, KEYS[2]) == block(KEYS[2])
+
+
+def test_ssd_write_error_drops_the_blocks(make_store, disk: DiskIo) -> None:
+    store = make_store()
+    disk.fail_writes = True
+    save_each(store, KEYS[:9])  # evicting K0..K3 tries to demote them
+    c = store.counters()
+    assert c["demote_failures"] >= 4 and c["blocks_demoted"] == 0
+    assert (c["dram_slots_used"], c["ssd_slots_used"]) == (5, 0)
+    assert store.probe(KEYS[:4]) == Probe(0, 0)
+    assert in_dram(store, KEYS[:9]) == KEYS[4:9]
+    # The store goes on, and the slots whose writes failed are used again.
+    disk.fail_writes = False
+    save_each(store, KEYS[9:13], first_step=9)
+    assert store.counters()["blocks_demoted"] >= 4
+    assert on_ssd(store, KEYS[:13]) == KEYS[4:8]
+    store.promote(KEYS[4:8])
+    assert store.wait_idle()
+    assert [dram_bytes(store, k) for k in KEYS[4:8]] == [block(k) for k in KEYS[4:8]]
+
+
+# --- DRAM watermark and demotion queue -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("watermark_pct", "lost"), [(100, 0), (80, 1), (60, 3), (50, 4)])
+def test_at_the_dram_watermark_eviction_frees_without_copy(make_store, disk: DiskIo, watermark_pct: float,
+                                                           lost: int) -> None:
+    # SSD writes fail, so no block has an SSD copy when eviction comes: each
+    # is either demoted (and the write fails) or, while DRAM holds at least
+    # the watermark's 5, 6, 8 or 10 blocks, freed without an attempt.
+    # Eviction of 4 starts with 8 blocks in DRAM and drops one at a time.
+    store = make_store(dram_watermark_pct=watermark_pct)
+    disk.fail_writes = True
+    save_each(store, KEYS[:8])
+    failures = store.counters()["demote_failures"]
+    save_each(store, KEYS[8:9], first_step=8)
+    c = store.counters()
+    assert (c["evictions"], c["evicted_without_copy"]) == (4, lost)
+    assert c["demote_failures"] - failures >= 4 - lost
+    assert in_dram(store, KEYS[:9]) == KEYS[4:9]
+    assert store.probe(KEYS[:4]) == Probe(0, 0)
+
+
+def test_full_demotion_queue_frees_without_copy(make_store, disk: DiskIo) -> None:
+    store = make_store(demote_queue_blocks=1)
+    disk.writes.clear()  # the first block's write stays in flight: the queue is full
+    for i in range(9):
+        assert save(store, [KEYS[i]], i) != [None]
+    c = store.counters()
+    assert (c["evictions"], c["evicted_without_copy"]) == (4, 3)
+    disk.writes.set()
+    assert store.wait_idle()
+    assert on_ssd(store, KEYS[:4]) == [KEYS[0]]
+    assert store.probe(KEYS[1:4]) == Probe(0, 0)
+    assert in_dram(store, KEYS[:9]) == KEYS[4:9]
+
+
+# --- SSD eviction -----------------------------------------------------------------------
+
+
+def test_ssd_evicts_lru_between_its_watermarks(make_store, disk: DiskIo) -> None:
+    store = make_store(ssd_high_pct=50, ssd_low_pct=25)  # SSD high 16, low 8 of 32
+    save_each(store, KEYS[:25])  # DRAM ends with K20..K24; K0..K19 went to SSD in order
+    c = store.counters()
+    dropped = c["ssd_evictions"]
+    assert dropped > 0
+    assert c["ssd_slots_used"] <= 16
+    assert in_dram(store, KEYS[:25]) == KEYS[20:25]
+    # The least recently used went: what is left is the newest run.
+    assert on_ssd(store, KEYS[:25]) == KEYS[dropped:20]
+    # New blocks went into evicted slots (headers emptied first: the audit checks).
+    assert len(disk.written) < disk.data_writes
+
+
+def test_ssd_eviction_skips_a_block_being_promoted(make_store, disk: DiskIo) -> None:
+    store = make_store(ssd_high_pct=50, ssd_low_pct=25)
+    save_each(store, KEYS[:21])
+    held = on_ssd(store, KEYS[:21])  # ascending: the SSD's LRU order stays key order
+    head, second = held[0], held[1]
+    disk.reads.clear()
+    assert store.promote([head]) == 1  # held at the gate, pinning its SSD slot
+    before = store.counters()["ssd_evictions"]
+    for i in range(21, 29):
+        save(store, [KEYS[i]], i)
+    wait_for(lambda: store.counters()["ssd_evictions"] > before)
+    disk.reads.set()
+    assert store.wait_idle()
+    assert store.probe([second]) == Probe(0, 0)  # the next oldest went in its place
+    assert store.counters()["promote_failures"] == 0
+    assert dram_bytes(store, head) == block(head)
+
+
+# --- restart -----------------------------------------------------------------------------
+
+
+def test_restart_recovers_demoted_blocks(make_store, open_ssd, dram: DramTier) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])
+    store.close()
+    store.ssd.close()
+    for slot in range(dram.num_slots):  # a new process: nothing of the old DRAM contents survives
+        dram.rank_view(slot, 0).fill_(0xEE)
+        dram.clear(slot)
+    ssd, recovered = open_ssd()
+    keys = sorted(rec.key for _, rec in recovered)
+    assert set(KEYS[:4]) <= set(keys) <= set(KEYS[:9])  # K4..K8 too if they were copied ahead
+    assert len(set(keys)) == len(keys)
+    store = make_store(ssd, recovered)
+    assert store.counters()["ssd_slots_used"] == len(keys)
+    assert store.probe(KEYS[:4]) == Probe(0, 4)
+    assert store.promote(KEYS[:4]) == 4
+    assert store.wait_idle()
+    assert [dram_bytes(store, k) for k in KEYS[:4]] == [block(k) for k in KEYS[:4]]
+
+
+def test_recovered_duplicates_keep_the_newest(make_store, open_ssd) -> None:
+    ssd, _ = open_ssd()
+    locs = ssd.locations()
+    dup, other = K(77), K(78)
+    versions = {locs[0]: (dup, 5, 1), locs[1]: (dup, 9, 2), locs[2]: (dup, 7, 3), locs[3]: (other, 6, 0)}
+    bufs = []
+    items = []
+    for loc, (key, seq, version) in versions.items():
+        buf = mmap.mmap(-1, RANK_BYTES)
+        buf[:] = block(key, version)
+        digest = xxhash.xxh3_64_intdigest(buf)
+        items.append((loc, BlockRecord(key, seq, digest, 1, (digest,)), memoryview(buf)))
+        bufs.append(buf)
+    ssd.write(items, [])
+    ssd.close()
+    ssd, recovered = open_ssd()
+    assert len(recovered) == 4
+    store = make_store(ssd, recovered)
+    assert store.counters()["ssd_slots_used"] == 2
+    assert store.probe([dup, other]) == Probe(0, 2)
+    store.promote([dup, other])
+    assert store.wait_idle()
+    assert dram_bytes(store, dup) == block(dup, 2)  # seq 9
+    assert dram_bytes(store, other) == block(other, 0)
+    # The stale copies' slots are used first, their headers emptied before
+    # any data goes over them (the audit); after another restart only the
+    # newest copy of ``dup`` is left.
+    save_each(store, KEYS[:8], first_step=10)  # K0, K1 are the first blocks written to SSD
+    assert store.counters()["blocks_demoted"] >= 2
+    store.close()
+    ssd.close()
+    ssd, recovered = open_ssd()
+    assert {loc: (rec.key, rec.seq) for loc, rec in recovered if loc in versions} == {
+        locs[0]: (KEYS[0], 10), locs[1]: (dup, 9), locs[2]: (KEYS[1], 11), locs[3]: (other, 6)}
+
+
+# --- clear ---------------------------------------------------------------------------------
+
+
+def test_clear_drops_dram_and_ssd_entries_not_in_use(make_store, disk: DiskIo) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])  # DRAM K4..K8, SSD K0..K3 (and maybe copies of K4..K8)
+    store.pin([KEYS[5]], step=70)
+    disk.reads.clear()
+    store.promote([KEYS[0]])  # PROMOTING: its DRAM slot and its SSD slot are in use
+    ssd_before = store.counters()["ssd_slots_used"]
+    cleared = store.clear()
+    assert store.counters()["ssd_slots_used"] == 1  # K0's copy stays
+    assert cleared == 4 + ssd_before - 1  # DRAM K4, K6, K7, K8 and every SSD copy but K0's
+    assert in_dram(store, KEYS[:9]) == [KEYS[0], KEYS[5]]
+    assert store.probe(KEYS[1:5]) == Probe(0, 0)
+    disk.reads.set()
+    assert store.wait_idle()
+    store.complete_step(70)
+    assert store.probe([KEYS[0], KEYS[5]]) == Probe(2, 2)
+    assert dram_bytes(store, KEYS[0]) == block(KEYS[0])
+    assert store.discard([KEYS[0]]) == 1
+    assert store.probe([KEYS[0]]) == Probe(0, 1)  # still on SSD
+
+
+def test_cleared_ssd_blocks_do_not_come_back_after_a_restart(make_store, open_ssd) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])
+    assert store.counters()["ssd_slots_used"] >= 4
+    store.clear()
+    assert store.wait_idle()
+    assert store.counters()["ssd_slots_used"] == 0
+    store.close()
+    store.ssd.close()
+    ssd, recovered = open_ssd()
+    assert recovered == []
+    # The cleared slots are free again and usable.
+    store = make_store(ssd, recovered)
+    save_each(store, KEYS[10:19], first_step=100)
+    assert store.wait_idle()
+    assert store.probe(KEYS[10:14]).total == 4
