@@ -214,6 +214,49 @@ def _dataset_sharegpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(args: argparse.Namespace) -> int:
+    from kvtier.config import parse_size
+    from kvtier.tools import sizing
+
+    if bool(args.model_dir) == bool(args.log):
+        raise ConfigError("--model-dir/--log", "", "give exactly one of them")
+    if args.model_dir:
+        kv = sizing.from_model_dir(args.model_dir, args.dtype, args.tp)
+    else:
+        try:
+            with open(args.log, errors="replace") as f:
+                kv = sizing.from_log(f.read(), args.devices)
+        except FileNotFoundError:
+            raise ConfigError("--log", args.log, "no such file") from None
+    gib = 1 << 30
+    print(f"KV per token: {kv.bytes_per_token:,.0f} bytes per device, {kv.instance_bytes_per_token:,.0f} "
+          f"for the instance ({kv.source})")
+    print(f"per 1k tokens: {kv.gib_per_1k_tokens:.4f} GiB per device, "
+          f"{kv.gib_per_1k_tokens * kv.devices:.4f} GiB for the instance")
+    if args.concurrency and args.mean_tokens:
+        need = sizing.workload_bytes_per_device(kv, args.concurrency, args.mean_tokens)
+        print(f"workload: {args.concurrency} concurrent x {args.mean_tokens:g} tokens x {sizing.HEADROOM} headroom "
+              f"= {need / gib:.2f} GiB per device ({need * kv.devices / gib:.2f} GiB for the instance)")
+    if args.dram_size:
+        dram = parse_size("--dram-size", args.dram_size)
+        staging = parse_size("--staging-size", args.staging_size, allow_zero=True) if args.staging_size else 0
+        host = sizing.host_memory_bytes(args.devices or kv.devices, dram, staging)
+        print(f"host memory: {args.devices or kv.devices} device(s) x ({dram / gib:.1f} GiB DRAM tier + "
+              f"{staging / gib:.1f} GiB SSD staging) = {host / gib:.1f} GiB")
+        page = sizing.hugepage_size_bytes()
+        buffer = parse_size("--hugepage-buffer", args.hugepage_buffer, allow_zero=True)
+        n = sizing.hugepages_for(host, page, buffer)
+        print(f"huge pages: {n} of {page >> 10} kB for {host / gib:.1f} GiB + {buffer / gib:.1f} GiB buffer "
+              f"(echo {n} > /proc/sys/vm/nr_hugepages)")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvtier.tools.stats import watch
+
+    return watch(args.url.rstrip("/"), args.interval, once=args.once, count=args.count)
+
+
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help="QA JSONL or ShareGPT multi-turn JSON")
     p.add_argument("--num-sessions", type=int, default=None, help="use the first N sessions")
@@ -325,6 +368,26 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--dtype", default="bfloat16")
     _add_load_args(bc)
     bc.set_defaults(func=_bench_compare)
+
+    sz = sub.add_parser("size", help="KV bytes per token, memory per device, host memory, huge pages")
+    sz.add_argument("--model-dir", default=None, help="a model directory (its config.json)")
+    sz.add_argument("--log", default=None, help="a vLLM log with 'Available KV cache memory' lines")
+    sz.add_argument("--dtype", default=None, help="KV dtype (default: the model's)")
+    sz.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with --model-dir)")
+    sz.add_argument("--devices", type=int, default=None, help="devices (default: from TP or the log)")
+    sz.add_argument("--concurrency", type=int, default=0)
+    sz.add_argument("--mean-tokens", type=float, default=0, help="mean request length in tokens")
+    sz.add_argument("--dram-size", default=None, help="DRAM tier per device, e.g. 20GB")
+    sz.add_argument("--staging-size", default=None, help="SSD staging memory per device, e.g. 10GB")
+    sz.add_argument("--hugepage-buffer", default="4GB", help="extra memory to reserve in huge pages")
+    sz.set_defaults(func=_size)
+
+    st = sub.add_parser("stats", help="live hit rates, tier usage and evictions of a running server")
+    st.add_argument("--url", default="http://127.0.0.1:8000")
+    st.add_argument("--interval", type=float, default=2.0)
+    st.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    st.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: until Ctrl-C)")
+    st.set_defaults(func=_stats)
 
     m = sub.add_parser("model", help="small test models")
     msub = m.add_subparsers(dest="model_command", required=True)

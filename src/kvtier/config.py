@@ -21,7 +21,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECAS
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def parse_size(key: str, value: object, source: str = "") -> int:
+def parse_size(key: str, value: object, source: str = "", allow_zero: bool = False) -> int:
     """Parse a byte size such as ``"2GB"``, ``"512MiB"``, ``"1.5g"`` or ``4096``.
 
     Units are binary whether or not they carry an ``i`` (``2GB`` is 2 GiB), as
@@ -40,7 +40,7 @@ def parse_size(key: str, value: object, source: str = "") -> int:
         size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
     else:
         raise ConfigError(key, value, "expected a size such as '2GB'", source)
-    if size <= 0:
+    if size < 0 or (size == 0 and not allow_zero):
         raise ConfigError(key, value, "size must be positive", source)
     return size
 

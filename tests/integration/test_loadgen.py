@@ -119,3 +119,12 @@ def test_workloads_load_and_bad_files_are_named(tmp_path: Path) -> None:
         load_workload(str(bad))
     with pytest.raises(ConfigError, match="no such file"):
         load_workload(str(tmp_path / "missing.jsonl"))
+
+
+def test_stats_once_shows_hit_rates_and_tiers(flaky_url: str, capsys: pytest.CaptureFixture) -> None:
+    run([Session(["q ok"])], BenchOptions(url=flaky_url))
+    assert cli_main(["stats", "--url", flaky_url, "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "h_all" in out and "75.0%" in out
+    assert "cached tokens: host" in out
+    assert cli_main(["stats", "--url", "http://127.0.0.1:9", "--once"]) == 2

@@ -1,0 +1,121 @@
+"""Capacity sizing: ``kvtier size``.
+
+Runs from the command line, before a deployment. KV bytes per token come
+either from a model's config.json (2 x layers x KV heads x head size x
+dtype bytes, split over tensor-parallel ranks) or from vLLM's own start-up
+log lines ("Available KV cache memory: X GiB" per device and "GPU KV cache
+size: N tokens" for the instance). From there:
+
+* GB per 1,000 tokens;
+* memory per device for a workload = concurrency x mean request length x
+  1.5 x KV bytes per token per device (1.5: headroom above the eviction
+  watermark);
+* host memory for the pool = devices x (DRAM tier + SSD staging memory);
+* huge pages for a size, in units of /proc/meminfo's Hugepagesize.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "float8": 1,
+                "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+HEADROOM = 1.5
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """KV bytes per token held on one device, and the devices that each hold such a share."""
+
+    bytes_per_token: float
+    source: str
+    devices: int = 1
+
+    @property
+    def instance_bytes_per_token(self) -> float:
+        return self.bytes_per_token * self.devices
+
+    @property
+    def gb_per_1k_tokens(self) -> float:
+        return self.bytes_per_token * 1000 / 1e9
+
+    @property
+    def gib_per_1k_tokens(self) -> float:
+        return self.bytes_per_token * 1000 / (1 << 30)
+
+
+def from_model_dir(model_dir: str, dtype: str | None = None, tp: int = 1) -> KvShape:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError("--model-dir", model_dir, "has no config.json") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError("--model-dir", path, f"not valid JSON: {err}") from None
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_size = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    except KeyError as err:
+        raise ConfigError("--model-dir", path, f"config.json lacks {err.args[0]}") from None
+    name = (dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    if name not in _DTYPE_BYTES:
+        raise ConfigError("--dtype", name, f"unknown; expected one of {', '.join(sorted(_DTYPE_BYTES))}")
+    if tp < 1:
+        raise ConfigError("--tp", tp, "must be at least 1")
+    per_device_heads = max(1, math.ceil(kv_heads / tp))  # fewer KV heads than ranks: replicated
+    b = 2 * layers * per_device_heads * head_size * _DTYPE_BYTES[name]
+    return KvShape(b, f"{path}: 2 x {layers} layers x {per_device_heads} KV heads per device x {head_size} x "
+                      f"{_DTYPE_BYTES[name]} bytes ({name}, TP {tp})", tp)
+
+
+_AVAIL = re.compile(r"Available KV cache memory:\s*([\d.]+)\s*(GiB|GB|MiB|MB)")
+_TOKENS = re.compile(r"(?:GPU|CPU|Device)?\s*KV cache size:\s*([\d,]+)\s*tokens")
+_UNITS = {"GiB": 1 << 30, "GB": 1e9, "MiB": 1 << 20, "MB": 1e6}
+
+
+def from_log(text: str, devices: int | None = None) -> KvShape:
+    """From vLLM's log: "Available KV cache memory" (per device, once per
+    device) over "KV cache size: N tokens" (the instance's capacity). Each
+    device holds a share of every token: memory / N bytes per token per
+    device, devices x memory / N for the instance.
+    """
+    mems = [float(v) * _UNITS[u] for v, u in _AVAIL.findall(text)]
+    toks = [int(v.replace(",", "")) for v in _TOKENS.findall(text)]
+    if not mems:
+        raise ConfigError("--log", "", "no 'Available KV cache memory: X GiB' line found")
+    if not toks:
+        raise ConfigError("--log", "", "no 'KV cache size: N tokens' line found")
+    n_dev = devices or len(mems)
+    mem = sum(mems) / len(mems)
+    return KvShape(mem / toks[-1], f"vLLM log: {mem / (1 << 30):.2f} GiB per device, {toks[-1]:,} tokens, "
+                                   f"{n_dev} device(s)", n_dev)
+
+
+def workload_bytes_per_device(kv: KvShape, concurrency: int, mean_tokens: float) -> float:
+    return concurrency * mean_tokens * HEADROOM * kv.bytes_per_token
+
+
+def host_memory_bytes(devices: int, dram_bytes_per_device: int, staging_bytes_per_device: int) -> int:
+    return devices * (dram_bytes_per_device + staging_bytes_per_device)
+
+
+def hugepage_size_bytes(meminfo: str = "/proc/meminfo") -> int:
+    with open(meminfo) as f:
+        for line in f:
+            if line.startswith("Hugepagesize:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("meminfo", meminfo, "no Hugepagesize line")
+
+
+def hugepages_for(size_bytes: int, page_bytes: int, buffer_bytes: int = 0) -> int:
+    return math.ceil((size_bytes + buffer_bytes) / page_bytes)
