@@ -1,0 +1,63 @@
+"""kvtier bench against a real vLLM CPU server with kvtier: a small synthetic run and a multi-turn run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main as cli_main
+from kvtier.tools.dataset import SynthSpec, synth, write_synth
+from kvtier.tools.loadgen import BenchOptions, Session, run
+from kvtier.tools.server import VllmServer
+from tests.e2e.conftest import server_options
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def bench_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("logs") / "vllm-bench.log"
+    with VllmServer(server_options(tiny_model, {"dram_size": "128MB"}), log_path=log) as srv:
+        yield srv
+
+
+def test_synthetic_shared_prefix_run_reports_hits(bench_server: VllmServer, tiny_model: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    spec = SynthSpec(tokens=700, fraction=80, num_diff_prefix=3, group_size=2, num_groups=6, seed=3)
+    data, _ = write_synth(synth(tok, spec), spec, str(tmp_path / "ds"))
+    out = tmp_path / "out"
+    rc = cli_main(["bench", "run", "--url", bench_server.url, "--dataset", data, "--concurrency", "2",
+                   "--max-tokens", "4", "--endpoint", "completions", "--output", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())[0]
+    s = results["summary"]
+    assert s["succeeded"] == 12 and s["failed"] == 0
+    assert s["ttft_s"]["p50"] > 0 and s["e2el_s"]["mean"] >= s["ttft_s"]["mean"]
+    # Every group after the first of each prefix reuses at least 80 % of its prompt.
+    assert s["cached_tokens"] > 0.3 * s["prompt_tokens"]
+    assert 0 < results["hit_rates"]["h_all"] <= 1
+    assert (out / "ttft_cdf.png").stat().st_size > 0
+    assert "| h_all |" in capsys.readouterr().out
+
+
+def test_multi_turn_sessions_grow_their_prompts(bench_server: VllmServer) -> None:
+    sessions = [Session(["Tell me about rivers.", "And mountains?", "And the sea?"]),
+                Session(["Describe a city.", "Its music?"])]
+    report = run(sessions, BenchOptions(url=bench_server.url, concurrency=2, max_tokens=8))
+    assert report.summary["failed"] == 0 and report.summary["succeeded"] == 5
+    by_session: dict[int, list] = {}
+    for r in report.results:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.turn)
+        lengths = [r.prompt_tokens for r in turns]
+        assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
+        # Each turn carries the previous answer, so its prompt is longer than
+        # the last prompt plus the last answer.
+        for a, b in zip(turns, turns[1:]):
+            assert b.prompt_tokens >= a.prompt_tokens + a.completion_tokens
