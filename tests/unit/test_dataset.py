@@ -230,6 +230,10 @@ def test_longdoc_records_are_real_long_text(model_cache_dir) -> None:
     for r in recs:
         assert r["source"].startswith("pydoc:") and r["length"] >= 500 and r["tokens"] > r["length"] / 2
         assert "class" in r["context"] or "def" in r["context"] or "FUNCTIONS" in r["context"]
+    cut = longdoc_records(tok, count=2, min_words=10, max_tokens=300)
+    assert all(r["tokens"] <= 302 for r in cut)  # a cut may re-tokenize a token or two longer
+    with pytest.raises(ConfigError, match="--max-tokens"):
+        longdoc_records(None, max_tokens=10)
 
 
 def test_a_cut_json_array_yields_its_complete_items() -> None:

@@ -328,16 +328,24 @@ def convert(paths: Sequence[str], output: str, spec: ConvertSpec) -> ConvertSumm
 # --- real text -------------------------------------------------------------------
 
 
-def longdoc_records(tok: Any | None = None, count: int = 32, min_words: int = 200) -> list[dict]:
+def longdoc_records(tok: Any | None = None, count: int = 32, min_words: int = 200,
+                    max_tokens: int | None = None) -> list[dict]:
     """LongBench-style raw records from the Python library's pydoc pages.
 
     ``{"context": text, "length": words, "source": "pydoc:<module>"}``; with
-    a tokenizer, ``tokens`` holds the token count too.
+    a tokenizer, ``tokens`` holds the token count too, and ``max_tokens``
+    cuts each page to at most that many tokens (pages run to 100k+ tokens).
     """
+    if max_tokens is not None and tok is None:
+        raise ConfigError("--max-tokens", max_tokens, "needs --tokenizer")
     from kvtier.tools.corpus import module_texts
 
     out = []
     for name, text in module_texts():
+        if tok is not None and max_tokens is not None:
+            ids = _encode(tok, text)
+            if len(ids) > max_tokens:
+                text = _decode(tok, ids[:max_tokens])
         words = len(text.split())
         if words < min_words:
             continue
