@@ -123,8 +123,8 @@ def _bench_compare(args: argparse.Namespace) -> int:
     sessions = load_workload(args.dataset, args.num_sessions, args.max_turns)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     kvtier_cfg = {"vllm": None, "dram": {"dram_size": args.dram_size},
-                  "ssd": {"dram_size": args.dram_size, "ssd_path": args.ssd_path, "ssd_size": args.ssd_size,
-                          "force_new_disk": True}}
+                  "ssd": {"dram_size": args.ssd_dram_size or args.dram_size, "ssd_path": args.ssd_path,
+                          "ssd_size": args.ssd_size, "force_new_disk": True}}
     unknown = [c for c in configs if c not in kvtier_cfg]
     if unknown:
         raise ConfigError("--configs", ",".join(unknown), "expected vllm, dram and/or ssd")
@@ -360,6 +360,8 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--model-dir", required=True)
     bc.add_argument("--configs", default="vllm,dram", help="comma list of vllm, dram, ssd")
     bc.add_argument("--dram-size", default="2GB")
+    bc.add_argument("--ssd-dram-size", default=None,
+                    help="DRAM tier of the ssd configuration (default --dram-size); smaller sends more to SSD")
     bc.add_argument("--ssd-path", default=None)
     bc.add_argument("--ssd-size", default="8GB")
     bc.add_argument("--block-size", type=int, default=64)

@@ -52,7 +52,8 @@ from kvtier.tier.ssd import BlockRecord, SsdLocation, SsdTier
 
 log = logging.getLogger(__name__)
 
-_IO_BATCH = 16  # blocks per demotion or promotion job
+_IO_BATCH = 16  # blocks per demotion job: one round of fdatasyncs per batch
+_PROMOTE_BATCH = 4  # blocks per promotion job: small, so all I/O threads share a prefix's reads
 
 
 class EntryState(enum.Enum):
@@ -273,8 +274,8 @@ class TieredStore:
                 s.pins += 1
                 jobs.append((key, slot, s.loc, s.rec))  # type: ignore[arg-type]
                 moving += 1
-            for i in range(0, len(jobs), _IO_BATCH):
-                self._submit(self._promote, jobs[i : i + _IO_BATCH])
+            for i in range(0, len(jobs), _PROMOTE_BATCH):
+                self._submit(self._promote, jobs[i : i + _PROMOTE_BATCH])
         return moving
 
     def pin(self, keys: Sequence[bytes], step: int) -> list[int | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -30,6 +31,28 @@ class RequestResult:
     error: str = ""
 
 
+def absorb_chunk(res: Any, chunk: dict, t0: float, last: float) -> float:
+    """Add one streamed chunk to ``res`` (text, TTFT, inter-token gaps, usage);
+    returns the time of the latest token. ``res`` has the fields of
+    :class:`RequestResult`."""
+    for choice in chunk.get("choices") or []:
+        piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        if piece:
+            now = time.perf_counter()
+            if not res.text:
+                res.ttft_s = now - t0
+            else:
+                res.itl_s.append(now - last)
+            last = now
+            res.text += piece
+    usage = chunk.get("usage")
+    if usage:
+        res.prompt_tokens = usage.get("prompt_tokens") or 0
+        res.completion_tokens = usage.get("completion_tokens") or 0
+        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return last
+
+
 def _stream(client: httpx.Client, url: str, body: dict, timeout_s: float) -> RequestResult:
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     res = RequestResult(ok=False)
@@ -47,23 +70,7 @@ def _stream(client: httpx.Client, url: str, body: dict, timeout_s: float) -> Req
                 data = line[6:]
                 if data.strip() == "[DONE]":
                     break
-                chunk = json.loads(data)
-                for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                    if piece:
-                        now = time.perf_counter()
-                        if not res.text:
-                            res.ttft_s = now - t0
-                        else:
-                            res.itl_s.append(now - last)
-                        last = now
-                        res.text += piece
-                usage = chunk.get("usage")
-                if usage:
-                    res.prompt_tokens = usage.get("prompt_tokens", 0)
-                    res.completion_tokens = usage.get("completion_tokens", 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    res.cached_tokens = details.get("cached_tokens") or 0
+                last = absorb_chunk(res, json.loads(data), t0, last)
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         res.error = f"{type(err).__name__}: {err}"
         return res

@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.tools.client import HitRates, hit_rates
+from kvtier.tools.client import HitRates, absorb_chunk, hit_rates
 from kvtier.tools.server import parse_metrics
 
 
@@ -168,21 +168,7 @@ async def _stream_one(client: httpx.AsyncClient, opts: BenchOptions, model: str,
                 if "error" in chunk:
                     res.error_kind, res.error = "http", str(chunk["error"])[:200]
                     return
-                for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                    if piece:
-                        now = time.perf_counter()
-                        if not res.text:
-                            res.ttft_s = now - t0
-                        else:
-                            res.itl_s.append(now - last)
-                        last = now
-                        res.text += piece
-                usage = chunk.get("usage")
-                if usage:
-                    res.prompt_tokens = usage.get("prompt_tokens") or 0
-                    res.completion_tokens = usage.get("completion_tokens") or 0
-                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                last = absorb_chunk(res, chunk, t0, last)
     except httpx.TimeoutException as err:
         res.error_kind, res.error = "timeout", f"{type(err).__name__} after {opts.timeout_s}s"
         return
