@@ -176,25 +176,48 @@ class KvtierConnector(KVConnectorBase_V1):
             log.exception("kvtier: lookup failed; treating as a miss")
             return 0, False
 
+    # Every hook below catches what the cache throws: the engine must never
+    # fail because of the cache. Where vLLM already counts on a load, a
+    # failure becomes load errors (vLLM recomputes); elsewhere it is a miss.
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:  # noqa: BLE001
+            log.exception("kvtier: planning a load failed; its blocks will be recomputed")
+            self._scheduler.fail_load(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        try:
+            return self._scheduler.build_connector_meta(scheduler_output)
+        except Exception:  # noqa: BLE001
+            log.exception("kvtier: planning step copies failed; this step loads nothing and saves nothing")
+            return self._scheduler.failed_step_plan()
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
-            self._scheduler.update_connector_output(connector_output)
+            try:
+                self._scheduler.update_connector_output(connector_output)
+            except Exception:  # noqa: BLE001
+                log.exception("kvtier: processing the workers' report failed")
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         assert self._scheduler is not None
-        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+        try:
+            return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+        except Exception:  # noqa: BLE001
+            log.exception("kvtier: splitting hits by source failed")
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        try:
+            return self._scheduler.request_finished(request, block_ids)
+        except Exception:  # noqa: BLE001
+            log.exception("kvtier: request_finished failed")
+            return False, None
 
     def reset_cache(self) -> bool | None:
         if self._scheduler is None:
@@ -213,7 +236,11 @@ class KvtierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         plan = self._get_connector_metadata()
         assert isinstance(plan, StepPlan)
-        self._worker.start_load_kv(plan)
+        try:
+            self._worker.start_load_kv(plan)
+        except Exception:  # noqa: BLE001
+            log.exception("kvtier: loading failed; vLLM recomputes the step's %d blocks", len(plan.loads))
+            self._worker.fail_loads(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -226,7 +253,11 @@ class KvtierConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             plan = self._get_connector_metadata()
             assert isinstance(plan, StepPlan)
-            self._worker.wait_for_save(plan)
+            try:
+                self._worker.wait_for_save(plan)
+            except Exception:  # noqa: BLE001
+                log.exception("kvtier: saving failed; the step's %d blocks are not kept", len(plan.saves))
+                self._worker.fail_saves(plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

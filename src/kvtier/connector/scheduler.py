@@ -149,10 +149,28 @@ class SchedulerSide:
         # Blocks loaded from the pool are already there; never save them again.
         st.saved_blocks = max(st.saved_blocks, last)
 
+    def fail_load(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the request's external blocks as failed loads (slot -1): vLLM
+        recomputes them instead of using blocks nothing was copied into."""
+        st = self._reqs.get(request.request_id)
+        first = (st.device_tokens if st else request.num_computed_tokens) // self.block_tokens
+        last = first + num_external_tokens // self.block_tokens
+        block_ids = blocks.get_block_ids()[0]
+        self._loads_this_step.extend(BlockCopy(block_ids[i], -1, b"") for i in range(first, last))
+
+    def failed_step_plan(self) -> StepPlan:
+        """A plan for a step whose planning failed: every planned load fails, nothing is saved."""
+        plan = StepPlan(step=self._step, arena=self.store.tier.path,
+                        loads=[BlockCopy(c.block_id, -1, c.key) for c in self._loads_this_step])
+        self._loads_this_step = []
+        self._step += 1
+        return plan
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         step = self._step
-        plan = StepPlan(step=step, arena=self.store.tier.path, loads=self._loads_this_step)
-        self._loads_this_step = []
+        # Loads stay queued until the plan is complete: if planning fails
+        # half-way, failed_step_plan() still reports every one of them.
+        plan = StepPlan(step=step, arena=self.store.tier.path, loads=list(self._loads_this_step))
         sched = scheduler_output.num_scheduled_tokens
         for req_id, n_sched in sched.items():
             st = self._reqs.get(req_id)
@@ -173,6 +191,7 @@ class SchedulerSide:
                 if slot is not None:
                     plan.saves.append(BlockCopy(block_ids[first + i], slot, new_keys[i]))
             st.saved_blocks = n_full
+        self._loads_this_step = []
         self._step += 1
         return plan
 

@@ -155,6 +155,18 @@ class WorkerSide:
             if self._report is not None:
                 self._report.corrupt_keys.extend(c.key for c in bad)
 
+    def fail_loads(self, plan: StepPlan) -> None:
+        """Report every load of ``plan`` as failed (after an unexpected error)."""
+        self._load_errors.update(c.block_id for c in plan.loads)
+        if self._report is None and (plan.loads or plan.saves):
+            self._report = StepReport(done={plan.step: 1})
+
+    def fail_saves(self, plan: StepPlan) -> None:
+        if self._report is None:
+            self._report = StepReport(done={plan.step: 1})
+        self._report.failed_slots.extend(c.slot for c in plan.saves)
+        self._stats.add("save_errors", len(plan.saves))
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._join_verification()
         if self._load_errors:
