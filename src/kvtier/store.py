@@ -356,6 +356,17 @@ class TieredStore:
                         e.pins -= 1
             self._clean_locked()
 
+    def abandon_saves(self, step: int) -> int:
+        """Drop the PENDING entries of ``step``: no writer will fill them. Returns how many."""
+        with self._lock:
+            n = 0
+            for key in self._c.pending_by_step.pop(step, []):
+                e = self._entries.get(key)
+                if e is not None and e.state is EntryState.PENDING:
+                    self._drop(key, e)
+                    n += 1
+            return n
+
     def discard(self, keys: Iterable[bytes]) -> int:
         """Drop the DRAM copies of ``keys`` (a reader found them corrupt). Returns how many."""
         n = 0

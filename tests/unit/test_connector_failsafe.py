@@ -74,12 +74,19 @@ def test_loads_survive_a_planning_failure_half_way(side: SchedulerSide) -> None:
     class Output:
         num_scheduled_tokens = {"r": 2 * BLOCK + 1}  # two more blocks become full: a save is planned
 
-    side.kv_cache_manager = None  # ... and planning it fails
-    with pytest.raises(AttributeError):
+    class Manager:  # ... and planning it fails after the slots were taken: too few block ids
+        def get_blocks(self, req_id: str) -> FakeBlocks:
+            return FakeBlocks([5, 6, 7])
+
+    side.kv_cache_manager = Manager()
+    with pytest.raises(IndexError):
         side.build_connector_meta(Output())
+    used = side.store.used_slots
     plan = side.failed_step_plan()
     assert [c.block_id for c in plan.loads] == [5, 6, 7]
     assert all(c.slot == -1 for c in plan.loads)
+    assert plan.saves == []
+    assert side.store.used_slots == used - 2  # the two saves planned before the failure are dropped
 
 
 def test_worker_reports_failed_loads_and_saves() -> None:

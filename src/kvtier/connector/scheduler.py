@@ -162,6 +162,7 @@ class SchedulerSide:
         """A plan for a step whose planning failed: every planned load fails, nothing is saved."""
         plan = StepPlan(step=self._step, arena=self.store.tier.path,
                         loads=[BlockCopy(c.block_id, -1, c.key) for c in self._loads_this_step])
+        self.store.abandon_saves(self._step)  # slots taken before the failure: no one will write them
         self._loads_this_step = []
         self._step += 1
         return plan
