@@ -180,7 +180,7 @@ def _dataset_convert(args: argparse.Namespace) -> int:
                        source_fields=tuple(args.source_fields), count_mode=args.count_mode,
                        output_format=args.output_format, rounds=args.rounds)
     s = convert(args.input, args.output, spec)
-    what = "QA records" if spec.output_format == "qa" else f"conversations of {spec.rounds} rounds"
+    what = "QA records" if spec.output_format.value == "qa" else f"conversations of {spec.rounds} rounds"
     print(f"read {s.lines_read} lines from {len(s.by_file)} file(s): {s.valid} valid, {s.malformed} malformed "
           f"(skipped), {s.out_of_range} outside length {spec.min_length}..{spec.max_length}")
     print(f"wrote {s.written} {what} to {args.output}"

@@ -24,6 +24,7 @@ a chat template adds its own).
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import random
@@ -202,6 +203,16 @@ def _write_jsonl(path: str, records: Iterable[dict]) -> int:
 # --- conversion ----------------------------------------------------------------
 
 
+class CountMode(str, enum.Enum):
+    VALID_ONLY = "valid-only"  # top-n counts records that pass
+    ALL_LINES = "all-lines"  # top-n counts every non-empty line read
+
+
+class OutputFormat(str, enum.Enum):
+    QA = "qa"
+    MULTI_TURN = "multi-turn"
+
+
 @dataclass(frozen=True)
 class ConvertSpec:
     top_n: int = 64
@@ -210,16 +221,24 @@ class ConvertSpec:
     repeat: int = 2
     alternate_order: bool = True
     source_fields: tuple[str, ...] = ("context",)
-    count_mode: str = "valid-only"  # valid-only | all-lines
-    output_format: str = "qa"  # qa | multi-turn
+    count_mode: CountMode = CountMode.VALID_ONLY
+    output_format: OutputFormat = OutputFormat.QA
     rounds: int = 4
 
+    def __post_init__(self) -> None:
+        # Accept the CLI's strings; anything else is refused by validate().
+        for name, cls in (("count_mode", CountMode), ("output_format", OutputFormat)):
+            try:
+                object.__setattr__(self, name, cls(getattr(self, name)))
+            except ValueError:
+                pass
+
     def validate(self) -> None:
-        if self.count_mode not in ("valid-only", "all-lines"):
+        if not isinstance(self.count_mode, CountMode):
             raise ConfigError("--count-mode", self.count_mode, "expected valid-only or all-lines")
-        if self.output_format not in ("qa", "multi-turn"):
+        if not isinstance(self.output_format, OutputFormat):
             raise ConfigError("--output-format", self.output_format, "expected qa or multi-turn")
-        if self.output_format == "multi-turn" and self.rounds < 1:
+        if self.output_format is OutputFormat.MULTI_TURN and self.rounds < 1:
             raise ConfigError("--rounds", self.rounds, "must be at least 1")
         if self.top_n < 1:
             raise ConfigError("--top-n", self.top_n, "must be at least 1")
@@ -264,7 +283,7 @@ def select(paths: Sequence[str], spec: ConvertSpec) -> tuple[list[str], ConvertS
             for line in f:
                 if not line.strip():
                     continue
-                if spec.count_mode == "all-lines" and summary.lines_read >= spec.top_n:
+                if spec.count_mode is CountMode.ALL_LINES and summary.lines_read >= spec.top_n:
                     break
                 summary.lines_read += 1
                 try:
@@ -284,12 +303,12 @@ def select(paths: Sequence[str], spec: ConvertSpec) -> tuple[list[str], ConvertS
                     continue
                 texts.append(text)
                 kept += 1
-                if spec.count_mode == "valid-only" and len(texts) >= spec.top_n:
+                if spec.count_mode is CountMode.VALID_ONLY and len(texts) >= spec.top_n:
                     break
         summary.by_file[path] = kept
-        if spec.count_mode == "valid-only" and len(texts) >= spec.top_n:
+        if spec.count_mode is CountMode.VALID_ONLY and len(texts) >= spec.top_n:
             break
-        if spec.count_mode == "all-lines" and summary.lines_read >= spec.top_n:
+        if spec.count_mode is CountMode.ALL_LINES and summary.lines_read >= spec.top_n:
             break
     summary.valid = len(texts)
     return texts, summary
@@ -307,7 +326,7 @@ def convert(paths: Sequence[str], output: str, spec: ConvertSpec) -> ConvertSumm
     texts, summary = select(paths, spec)
     ordered = repeat_order(texts, spec.repeat, spec.alternate_order)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    if spec.output_format == "qa":
+    if spec.output_format is OutputFormat.QA:
         summary.written = _write_jsonl(output, ({"question": t, "answer": ""} for t in ordered))
         return summary
     convs = []

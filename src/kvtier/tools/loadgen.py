@@ -19,6 +19,7 @@ figures. vLLM's /metrics are read before and after, for the hit rates h1
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import random
 import time
@@ -32,6 +33,16 @@ import numpy as np
 from kvtier.errors import ConfigError
 from kvtier.tools.client import HitRates, absorb_chunk, hit_rates
 from kvtier.tools.server import parse_metrics
+
+
+class Endpoint(str, enum.Enum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+
+
+class Arrival(str, enum.Enum):
+    POISSON = "poisson"
+    FIXED = "fixed"
 
 
 @dataclass
@@ -62,10 +73,10 @@ class Result:
 class BenchOptions:
     url: str
     model: str | None = None  # None: the first of /v1/models
-    endpoint: str = "chat"  # chat | completions
+    endpoint: Endpoint = Endpoint.CHAT
     concurrency: int = 1
     request_rate: float = 0.0  # sessions per second; 0: as fast as the workers go
-    arrival: str = "poisson"  # poisson | fixed
+    arrival: Arrival = Arrival.POISSON
     max_tokens: int = 64
     ignore_eos: bool = False
     temperature: float = 0.0
@@ -75,10 +86,14 @@ class BenchOptions:
     label: str = "run"
 
     def validate(self) -> None:
-        if self.endpoint not in ("chat", "completions"):
-            raise ConfigError("--endpoint", self.endpoint, "expected chat or completions")
-        if self.arrival not in ("poisson", "fixed"):
-            raise ConfigError("--arrival", self.arrival, "expected poisson or fixed")
+        try:
+            self.endpoint = Endpoint(self.endpoint)
+        except ValueError:
+            raise ConfigError("--endpoint", self.endpoint, "expected chat or completions") from None
+        try:
+            self.arrival = Arrival(self.arrival)
+        except ValueError:
+            raise ConfigError("--arrival", self.arrival, "expected poisson or fixed") from None
         if self.concurrency < 1:
             raise ConfigError("--concurrency", self.concurrency, "must be at least 1")
         if self.request_rate < 0:
@@ -142,7 +157,7 @@ async def _stream_one(client: httpx.AsyncClient, opts: BenchOptions, model: str,
                   "stream": True, "stream_options": {"include_usage": True}}
     if opts.ignore_eos:
         body["ignore_eos"] = True
-    if opts.endpoint == "chat":
+    if opts.endpoint is Endpoint.CHAT:
         url = opts.url + "/v1/chat/completions"
         body["messages"] = messages
     else:
@@ -220,7 +235,7 @@ async def run_async(sessions: list[Session], opts: BenchOptions,
         for _ in sessions:
             starts.append(t)
             if opts.request_rate > 0:
-                t += rng.expovariate(opts.request_rate) if opts.arrival == "poisson" else 1.0 / opts.request_rate
+                t += rng.expovariate(opts.request_rate) if opts.arrival is Arrival.POISSON else 1.0 / opts.request_rate
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(len(sessions)):
             queue.put_nowait(i)
