@@ -83,3 +83,21 @@ def wait_for_log(srv: VllmServer, pattern: str, timeout_s: float = 15.0) -> list
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
+
+
+def hit_after_eviction(srv: VllmServer, prompt: list[int], filler_seed: int
+                       ) -> tuple[dict, dict, dict[str, float], dict[str, float]]:
+    """Ask ``prompt`` cold and again (a device hit), push it out of the device
+    cache with three 1,500-token fillers, ask it once more.
+
+    Returns the device hit, the last answer, and /metrics before and after
+    the last request.
+    """
+    complete(srv, prompt)
+    device_hit = complete(srv, prompt)
+    for i in range(3):
+        complete(srv, tokens(filler_seed + i, 1500), max_tokens=2)
+    before = srv.metrics()
+    again = complete(srv, prompt)
+    after = srv.metrics()
+    return device_hit, again, before, after

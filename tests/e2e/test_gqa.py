@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.tools.server import VllmServer
-from tests.e2e.conftest import BLOCK, complete, delta, server_options, tokens
+from tests.e2e.conftest import BLOCK, delta, hit_after_eviction, server_options, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -23,14 +23,7 @@ def gqa_server(gqa_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def test_gqa_prefix_from_dram_matches_device_hit(gqa_server: VllmServer) -> None:
-    a = tokens(11, 20 * BLOCK + 17)
-    complete(gqa_server, a)
-    device_hit = complete(gqa_server, a)
-    for i in range(3):
-        complete(gqa_server, tokens(1100 + i, 1500), max_tokens=2)
-    before = gqa_server.metrics()
-    again = complete(gqa_server, a)
-    after = gqa_server.metrics()
+    device_hit, again, before, after = hit_after_eviction(gqa_server, tokens(11, 20 * BLOCK + 17), 1100)
     assert delta(after, before, "vllm:external_prefix_cache_hits_total") == 20 * BLOCK
     assert again["text"] == device_hit["text"]
     assert "kvtier: 2 layers, cpu layout, 16384 bytes per block per layer" in gqa_server.log_text()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tools.server import VllmServer
-from tests.e2e.conftest import BLOCK, complete, delta, server_options, tokens
+from tests.e2e.conftest import BLOCK, complete, delta, hit_after_eviction, server_options, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -27,13 +27,8 @@ def test_repeat_hits_on_ssd_and_survives_restart(tiny_model: str, tmp_path: Path
     ssd = tmp_path / "ssd.img"
     a = tokens(21, 20 * BLOCK + 5)
     with VllmServer(ssd_options(tiny_model, ssd), log_path=tmp_path / "ssd1.log") as srv:
-        complete(srv, a)
-        device_hit = complete(srv, a)
-        for i in range(3):  # out of the device cache and out of DRAM
-            complete(srv, tokens(2100 + i, 1500), max_tokens=2)
-        before = srv.metrics()
-        again = complete(srv, a)
-        after = srv.metrics()
+        # The fillers push A out of the device cache and out of DRAM.
+        device_hit, again, before, after = hit_after_eviction(srv, a, 2100)
         assert delta(after, before, DEVICE) == 0
         assert delta(after, before, EXT_HITS) == 20 * BLOCK
         assert delta(after, before, DISK) > 0, "expected blocks promoted from SSD"

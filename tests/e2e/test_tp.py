@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tools.server import VllmServer
-from tests.e2e.conftest import BLOCK, complete, delta, server_options, tokens
+from tests.e2e.conftest import BLOCK, delta, hit_after_eviction, server_options, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -17,14 +17,7 @@ def test_two_ranks_share_slots_and_hit_like_the_device_cache(tiny_model: str, tm
     opts = server_options(tiny_model, {"dram_size": "128MB"}, extra_args=["--tensor-parallel-size", "2"],
                           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_LOG_STATS_INTERVAL": "1"})
     with VllmServer(opts, log_path=tmp_path / "tp2.log") as srv:
-        a = tokens(31, 22 * BLOCK + 9)
-        complete(srv, a)
-        device_hit = complete(srv, a)
-        for i in range(3):
-            complete(srv, tokens(3100 + i, 1500), max_tokens=2)
-        before = srv.metrics()
-        again = complete(srv, a)
-        after = srv.metrics()
+        device_hit, again, before, after = hit_after_eviction(srv, tokens(31, 22 * BLOCK + 9), 3100)
         log = srv.log_text()
     assert delta(after, before, "vllm:external_prefix_cache_hits_total") == 22 * BLOCK
     assert again["text"] == device_hit["text"]
