@@ -317,3 +317,35 @@ def test_view_outlives_close(shm_path: str) -> None:
                          timeout=120)
     assert out.returncode == 0, (out.returncode, out.stderr)
     assert out.stdout.split() == ["6", "5"]
+
+
+def _seal_all_slots(path: str, rank: int, n: int, start) -> None:
+    from kvtier.tier import DramTier
+
+    t = DramTier.attach(path)
+    start.wait()
+    for s in range(n):
+        t.seal(s, b"k" * 16, rank, 123)
+    t.close()
+
+
+def test_two_ranks_sealing_the_same_slots_at_once_leave_every_slot_sealed(shm_path: str) -> None:
+    """Ranks seal concurrently from their own processes; no rank's ready mark may be lost."""
+    import multiprocessing as mp
+
+    n = 4096
+    tier = DramTier.create(shm_path, n * (2 * 4096 + 128) + 4 * 4096, 4096, ranks=2)
+    assert tier.num_slots >= n
+    ctx = mp.get_context("fork")
+    for _ in range(3):
+        start = ctx.Barrier(2)
+        procs = [ctx.Process(target=_seal_all_slots, args=(shm_path, r, n, start)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        assert sum(1 for s in range(n) if not tier.is_sealed(s, b"k" * 16)) == 0
+        for s in range(n):
+            tier.clear(s)
+    tier.close()

@@ -41,12 +41,16 @@ import xxhash
 
 from kvtier.errors import ConfigError
 
-_MAGIC = b"KVTDRAM1"
+_MAGIC = b"KVTDRAM2"
 _SUPER = struct.Struct("<8sIIQQQQ16s")  # magic, version, ranks, num_slots, slot_bytes, slot_stride, data_off, ns
 _PAGE = 4096
 MAX_RANKS = 8
+# One ready byte per rank, not a shared bit mask: ranks seal the same slot
+# from different processes at the same time, and a read-modify-write of a
+# shared mask lost ranks' bits (a race reproduced with two processes sealing
+# 4,096 slots; tests/unit/test_dram.py pins it). Each rank writes only its byte.
 _HEADER = np.dtype(
-    [("key", "V16"), ("ready", "<u4"), ("epoch", "<u4"), ("checksum", "<u8", (MAX_RANKS,)), ("pad", "V40")]
+    [("key", "V16"), ("ready", "u1", (MAX_RANKS,)), ("checksum", "<u8", (MAX_RANKS,)), ("pad", "V40")]
 )
 assert _HEADER.itemsize == 128
 
@@ -65,6 +69,10 @@ def _map(fd: int, size: int) -> mmap.mmap:
     # fault per 4 KiB the first time a slot is written or read during serving.
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _mask(h: np.void) -> int:
+    return sum(1 << r for r in range(MAX_RANKS) if h["ready"][r])
 
 
 @dataclass(frozen=True)
@@ -195,12 +203,13 @@ class DramTier:
         for rank, digest in enumerate(checksums[:MAX_RANKS]):
             h["checksum"][rank] = digest
         h["key"] = np.void(key)
-        h["ready"] = ready_mask
+        for rank in range(MAX_RANKS):
+            h["ready"][rank] = (ready_mask >> rank) & 1
 
     def clear(self, slot: int, key: bytes = bytes(16)) -> None:
         """Mark ``slot`` as holding nothing readable (index owner only)."""
         h = self._headers[slot]
-        h["ready"] = 0
+        h["ready"][:] = 0
         h["key"] = np.void(key)
 
     def seal(self, slot: int, key: bytes, rank: int, digest: int) -> None:
@@ -208,15 +217,15 @@ class DramTier:
         h = self._headers[slot]
         h["checksum"][rank] = digest
         h["key"] = np.void(key)
-        h["ready"] = int(h["ready"]) | (1 << rank)
+        h["ready"][rank] = 1
 
     def header(self, slot: int) -> SlotHeader:
         h = self._headers[slot]
-        return SlotHeader(bytes(h["key"]), int(h["ready"]), tuple(int(c) for c in h["checksum"]))
+        return SlotHeader(bytes(h["key"]), _mask(h), tuple(int(c) for c in h["checksum"]))
 
     def is_sealed(self, slot: int, key: bytes) -> bool:
         h = self._headers[slot]
-        return int(h["ready"]) == (1 << self.ranks) - 1 and bytes(h["key"]) == key
+        return bool(h["ready"][: self.ranks].all()) and bytes(h["key"]) == key
 
     def verify(self, slot: int, key: bytes, rank: int, check_data: bool = True) -> bool:
         """True when ``slot`` holds ``key`` sealed by all ranks and, with
@@ -226,6 +235,6 @@ class DramTier:
         pinned slot, so what was verified is what gets copied.
         """
         h = self._headers[slot]
-        if int(h["ready"]) != (1 << self.ranks) - 1 or bytes(h["key"]) != key:
+        if not h["ready"][: self.ranks].all() or bytes(h["key"]) != key:
             return False
         return not check_data or checksum(self.rank_view(slot, rank)) == int(h["checksum"][rank])
