@@ -48,6 +48,7 @@ import xxhash
 from kvtier.errors import TierIOError
 from kvtier.policy import EvictionPolicy, LruPolicy
 from kvtier.tier import DramTier
+from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import BlockRecord, SsdLocation, SsdTier
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class _Entry:
     on_ssd: bool = False
     demoting: bool = False  # being written to SSD
     evict_after: bool = False  # free the DRAM copy once the SSD copy is durable
+    doomed: bool = False  # found bad: unreadable now, dropped as soon as nothing uses it
 
 
 @dataclass
@@ -130,6 +132,7 @@ class _Counters:
     promote_failures: int = 0
     ssd_corrupt: int = 0
     ssd_evictions: int = 0
+    corrupt_dram: int = 0  # DRAM blocks found bad before demotion
     last_eviction_log: float = 0.0
     last_ssd_eviction_log: float = 0.0
     pending_by_step: dict[int, list[bytes]] = field(default_factory=dict)
@@ -214,6 +217,8 @@ class TieredStore:
             entries, ssd = self._entries, self._ssd_entries
             for key in keys:
                 e = entries.get(key)
+                if e is not None and e.doomed:
+                    break
                 if e is not None and e.state is EntryState.READY:
                     if ready == total:
                         ready += 1
@@ -285,7 +290,7 @@ class TieredStore:
             pinned = self._pins_by_step.setdefault(step, [])
             for key in keys:
                 e = self._entries.get(key)
-                if e is None or e.state is not EntryState.READY:
+                if e is None or e.state is not EntryState.READY or e.doomed:
                     out.append(None)
                     continue
                 e.pins += 1
@@ -344,7 +349,7 @@ class TieredStore:
                     e = self._entries.get(key)
                     if e is None or e.state is not EntryState.PENDING:
                         continue
-                    if e.slot in failed:
+                    if e.slot in failed or e.doomed:
                         self._c.save_failures += 1
                         self._drop(key, e)
                     else:
@@ -354,6 +359,8 @@ class TieredStore:
                     e = self._entries.get(key)
                     if e is not None:
                         e.pins -= 1
+                        if e.doomed and e.pins == 0 and e.state is EntryState.READY and not e.demoting:
+                            self._drop(key, e)
             self._clean_locked()
 
     def abandon_saves(self, step: int) -> int:
@@ -368,14 +375,42 @@ class TieredStore:
             return n
 
     def discard(self, keys: Iterable[bytes]) -> int:
-        """Drop the DRAM copies of ``keys`` (a reader found them corrupt). Returns how many."""
+        """Drop the DRAM copies of ``keys`` (a reader found them corrupt).
+
+        One in use (pinned by a later step, or being written to SSD) becomes
+        unreadable now and is dropped as soon as it is free. Returns how many
+        were dropped or doomed.
+        """
         n = 0
         with self._lock:
             for key in keys:
                 e = self._entries.get(key)
-                if e is not None and e.pins == 0 and e.state is EntryState.READY and not e.demoting:
+                if e is None or e.state is not EntryState.READY or e.doomed:
+                    continue  # gone, or another copy of the key on its way: not the one found bad
+                n += 1
+                if e.pins == 0 and not e.demoting:
                     self._drop(key, e)
-                    n += 1
+                else:
+                    e.doomed = True
+        return n
+
+    def doom_pending(self, after_step: int) -> int:
+        """Make every PENDING entry of the steps after ``after_step`` unreadable.
+
+        When a load failed in ``after_step``, the steps already planned
+        after it (asynchronous scheduling) may have computed blocks from the
+        bad KV; their saves are dropped when their steps complete.
+        """
+        n = 0
+        with self._lock:
+            for s, keys in self._c.pending_by_step.items():
+                if s <= after_step:
+                    continue
+                for key in keys:
+                    e = self._entries.get(key)
+                    if e is not None and e.state is EntryState.PENDING:
+                        e.doomed = True
+                        n += 1
         return n
 
     def clear(self) -> int:
@@ -431,7 +466,7 @@ class TieredStore:
             if self._demoting >= self._demote_limit:
                 break
             e = self._entries[key]
-            if e.on_ssd or e.demoting or e.pins or e.state is not EntryState.READY:
+            if e.on_ssd or e.demoting or e.pins or e.doomed or e.state is not EntryState.READY:
                 continue
             e.demoting = True
             self._demoting += 1
@@ -454,6 +489,11 @@ class TieredStore:
                 break
             e = self._entries[key]
             if e.pins or e.state is not EntryState.READY or e.evict_after:
+                continue
+            if e.doomed:
+                if not e.demoting:
+                    self._drop(key, e)
+                    freed += 1
                 continue
             if e.demoting:  # being cleaned already: free it when the write lands
                 e.evict_after = True
@@ -586,25 +626,47 @@ class TieredStore:
         if not plan:
             return
         items = []
-        for key, slot, loc, rec, _ in plan:
-            data = self.tier.slot_buffer(slot)
-            items.append((loc, replace(rec, checksum=xxhash.xxh3_64_intdigest(data)), data))
+        good = []
+        bad: set[bytes] = set()
+        ok = False
         try:
-            self.ssd.write(items, [loc for _, _, loc, _, reused in plan if reused])
+            for key, slot, loc, rec, _ in plan:
+                # Only what still matches its DRAM checksums goes to SSD: the SSD
+                # checksum is computed here, so a block that went bad in DRAM
+                # would otherwise be stored as a "valid" block.
+                if not self._dram_intact(slot, key, rec):
+                    bad.add(key)
+                    continue
+                data = self.tier.slot_buffer(slot)
+                items.append((loc, replace(rec, checksum=xxhash.xxh3_64_intdigest(data)), data))
+                good.append(loc)
+            self.ssd.write(items, [loc for _, _, loc, _, reused in plan if reused and loc in good])
             ok = True
         except TierIOError as err:
             log.warning("kvtier: demoting %d blocks to SSD failed (%s); they are dropped", len(plan), err)
-            ok = False
+        except Exception:  # noqa: BLE001 - never leave entries demoting forever
+            log.exception("kvtier: demoting %d blocks failed", len(plan))
+        written = {loc: rec for loc, rec, _ in items} if ok else {}
         with self._lock:
-            for (key, _, loc, _, _), (_, rec, _) in zip(plan, items):
-                if ok:
+            for key, _, loc, _, _ in plan:
+                rec = written.get(loc)
+                if rec is not None:
                     self._ssd_entries[key].rec = rec
                     self._ssd_policy.insert(key)
                 else:
                     del self._ssd_entries[key]
                     self._ssd_free.append(loc)
                     self._ssd_dirty.add(loc)  # a header may have reached the disk
-                self._finish_demotion_locked(key, ok)
+                if key in bad:
+                    self._c.corrupt_dram += 1
+                    self._entries[key].doomed = True
+                self._finish_demotion_locked(key, rec is not None)
+
+    def _dram_intact(self, slot: int, key: bytes, rec: BlockRecord) -> bool:
+        hdr = self.tier.header(slot)
+        if hdr.key != key or hdr.ready_mask != (1 << self.tier.ranks) - 1:
+            return False
+        return all(checksum(self.tier.rank_view(slot, r)) == rec.dram_checksums[r] for r in range(self.tier.ranks))
 
     def _finish_demotion_locked(self, key: bytes, ok: bool) -> None:
         e = self._entries[key]
@@ -618,8 +680,8 @@ class TieredStore:
         else:
             self._c.demote_failures += 1
         e.on_ssd = ok
-        # Evicted while it was written: free the DRAM copy unless a reader holds it.
-        if evict and e.pins == 0 and e.state is EntryState.READY:
+        # Evicted (or found bad) while it was written: free the DRAM copy unless a reader holds it.
+        if (evict or e.doomed) and e.pins == 0 and e.state is EntryState.READY:
             self._drop(key, e)
 
     def _promote(self, jobs: list[tuple[bytes, int, SsdLocation, BlockRecord]]) -> None:
@@ -629,11 +691,14 @@ class TieredStore:
             io_error = False
             try:
                 ok = self.ssd.read(loc, rec, self.tier.slot_buffer(slot))
+                if ok:
+                    self.tier.seal_all(slot, key, rec.dram_ready, rec.dram_checksums)
             except TierIOError as err:
                 log.warning("kvtier: reading a block from SSD failed: %s", err)
                 ok, io_error = False, True
-            if ok:
-                self.tier.seal_all(slot, key, rec.dram_ready, rec.dram_checksums)
+            except Exception:  # noqa: BLE001 - never leave entries PROMOTING forever
+                log.exception("kvtier: promoting a block failed")
+                ok, io_error = False, True
             results.append((key, ok, io_error))
         with self._lock:
             for key, ok, io_error in results:
@@ -669,7 +734,8 @@ class TieredStore:
             "evictions": c.evictions, "blocks_demoted": c.demotions, "demote_failures": c.demote_failures,
             "evicted_without_copy": c.evicted_without_copy, "blocks_promoted": c.promotions,
             "promote_failures": c.promote_failures, "ssd_corrupt_blocks": c.ssd_corrupt,
-            "ssd_evictions": c.ssd_evictions, "dram_slots_used": self.used_slots,
+            "ssd_evictions": c.ssd_evictions, "corrupt_blocks": c.corrupt_dram,
+            "dram_slots_used": self.used_slots,
             "dram_slots_total": self.tier.num_slots, "ssd_slots_used": len(self._ssd_entries),
             "ssd_slots_total": self.ssd.num_slots if self.ssd else 0,
         }

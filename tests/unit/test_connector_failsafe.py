@@ -74,7 +74,7 @@ def test_loads_survive_a_planning_failure_half_way(side: SchedulerSide) -> None:
     class Output:
         num_scheduled_tokens = {"r": 2 * BLOCK + 1}  # two more blocks become full: a save is planned
 
-    class Manager:  # ... and planning it fails after the slots were taken: too few block ids
+    class Manager:  # ... and planning it fails: too few block ids
         def get_blocks(self, req_id: str) -> FakeBlocks:
             return FakeBlocks([5, 6, 7])
 
@@ -86,7 +86,7 @@ def test_loads_survive_a_planning_failure_half_way(side: SchedulerSide) -> None:
     assert [c.block_id for c in plan.loads] == [5, 6, 7]
     assert all(c.slot == -1 for c in plan.loads)
     assert plan.saves == []
-    assert side.store.used_slots == used - 2  # the two saves planned before the failure are dropped
+    assert side.store.used_slots == used  # no slot was left waiting for a writer
 
 
 def test_worker_reports_failed_loads_and_saves() -> None:
@@ -112,3 +112,125 @@ def test_worker_without_an_arena_turns_loads_into_errors() -> None:
     assert w.get_block_ids_with_load_errors() == {3}
     report = w.build_report()
     assert report is not None and report.failed_slots == [1]
+
+
+@pytest.fixture
+def worker_and_tier(make_tier, capacity_for):
+    import torch
+
+    tier = make_tier(capacity_for(8, 4096), 4096)
+    w = WorkerSide(rank=0, num_blocks=16)
+    kv = torch.arange(16 * 2 * BLOCK * 8, dtype=torch.float32).reshape(16, 2, BLOCK, 8)
+    w.register_kv_caches({"l0": kv})
+    return w, tier, kv
+
+
+def test_saves_of_a_step_with_a_failed_load_are_all_dropped(worker_and_tier) -> None:
+    w, tier, kv = worker_and_tier
+    tier.clear(0, b"a" * 16)  # published for key a, never sealed: the load must fail
+    plan = StepPlan(step=5, arena=tier.path, loads=[BlockCopy(1, 0, b"a" * 16)],
+                    saves=[BlockCopy(2, 1, b"b" * 16), BlockCopy(3, 2, b"c" * 16)])
+    w.start_load_kv(plan)
+    w.wait_for_save(plan)  # blocks 2, 3 may have attended to block 1: none is kept
+    assert w.get_block_ids_with_load_errors() == {1}
+    report = w.build_report()
+    assert report.failed_slots == [1, 2]
+    assert report.corrupt_keys == [b"a" * 16]
+    assert not tier.is_sealed(1, b"b" * 16) and not tier.is_sealed(2, b"c" * 16)
+
+
+def test_a_clean_step_saves_and_seals(worker_and_tier) -> None:
+    w, tier, kv = worker_and_tier
+    plan = StepPlan(step=6, arena=tier.path, saves=[BlockCopy(2, 1, b"b" * 16)])
+    w.start_load_kv(plan)
+    w.wait_for_save(plan)
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.build_report().failed_slots == []
+    assert tier.verify(1, b"b" * 16, 0)
+
+
+def test_save_failures_after_the_report_was_taken_still_reach_it(worker_and_tier) -> None:
+    # With speculative decoding vLLM takes the worker's report before wait_for_save.
+    w, tier, kv = worker_and_tier
+    plan = StepPlan(step=7, arena="/nonexistent/arena", saves=[BlockCopy(2, 1, b"b" * 16)])
+    w.start_load_kv(plan)
+    report = w.build_report()
+    w.wait_for_save(plan)
+    assert report is not None and report.failed_slots == [1]
+
+
+@dataclass
+class FakeLora:
+    lora_name: str
+    lora_int_id: int
+
+
+@dataclass
+class RichRequest(FakeRequest):
+    lora_request: FakeLora | None = None
+    cache_salt: str | None = None
+    mm_features: list | None = None
+    prompt_embeds: object | None = None
+
+
+def test_lora_and_cache_salt_give_other_keys_than_the_plain_prompt(side: SchedulerSide) -> None:
+    tokens = list(range(3 * BLOCK + 1))
+    plain = side._keys(side._state(RichRequest("p", tokens)), 3 * BLOCK)
+    lora = side._keys(side._state(RichRequest("l", tokens, lora_request=FakeLora("sql", 1))), 3 * BLOCK)
+    lora2 = side._keys(side._state(RichRequest("l2", tokens, lora_request=FakeLora("chat", 2))), 3 * BLOCK)
+    salted = side._keys(side._state(RichRequest("s", tokens, cache_salt="tenant-a")), 3 * BLOCK)
+    assert len({tuple(plain), tuple(lora), tuple(lora2), tuple(salted)}) == 4
+    # ... and a plain prompt never hits what an adapter's request saved.
+    side.store.prepare_save(lora, step=0)
+    side.store.complete_step(0)
+    assert side.get_num_new_matched_tokens(RichRequest("p2", tokens), 0) == (0, False)
+    assert side.get_num_new_matched_tokens(RichRequest("l3", tokens, lora_request=FakeLora("sql", 1)), 0) \
+        == (3 * BLOCK, False)
+
+
+def test_multimodal_and_embedding_requests_are_neither_looked_up_nor_saved(side: SchedulerSide) -> None:
+    tokens = list(range(3 * BLOCK + 1))
+    side.store.prepare_save(side._keys(side._state(RichRequest("p", tokens)), 3 * BLOCK), step=0)
+    side.store.complete_step(0)
+    mm = RichRequest("m", tokens, mm_features=["image"])
+    assert side.get_num_new_matched_tokens(mm, 0) == (0, False)
+    emb = RichRequest("e", tokens, prompt_embeds=object())
+    assert side.get_num_new_matched_tokens(emb, 0) == (0, False)
+
+
+def test_a_step_with_failed_copies_rewinds_its_requests_so_recomputed_blocks_are_saved(side: SchedulerSide) -> None:
+    from kvtier.connector.meta import StepReport
+
+    req = FakeRequest("r", list(range(5 * BLOCK + 1)))
+    keys = side._keys(side._state(req), req.num_tokens - 1)
+    side.store.prepare_save(keys[:3], step=-1)
+    side.store.complete_step(-1)
+    ext, _ = side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8, 9, 10]), ext)
+    req.num_computed_tokens = ext
+
+    class Manager:
+        def get_blocks(self, req_id: str) -> FakeBlocks:
+            return FakeBlocks([5, 6, 7, 8, 9, 10])
+
+    class Output:
+        num_scheduled_tokens = {"r": 2 * BLOCK + 1}
+
+    side.kv_cache_manager = Manager()
+    plan = side.build_connector_meta(Output())
+    assert [c.block_id for c in plan.saves] == [8, 9]
+
+    class StepOutput:  # block 6 failed to load; the workers dropped the step's saves
+        kv_connector_worker_meta = StepReport(done={plan.step: 1}, failed_slots=[c.slot for c in plan.saves])
+        invalid_block_ids = {6}
+
+    side.update_connector_output(StepOutput())
+    side.store.discard([keys[1]])
+    # vLLM recomputes from block 1 on; the next step plans those saves again.
+    req.num_computed_tokens = 5 * BLOCK
+
+    class Next:
+        num_scheduled_tokens = {"r": 1}
+
+    again = side.build_connector_meta(Next())
+    assert sorted(c.block_id for c in again.saves) == [6, 8, 9]

@@ -153,12 +153,36 @@ def test_pins_hold_until_complete_step_of_their_step(make_store) -> None:
     slots = save_ready(store, [K(0), K(1)], step=0)
     assert store.pin([K(0), K(5), K(1)], step=7) == [slots[0], None, slots[1]]
     assert store.statistics().pinned_slots == 2
-    assert store.discard([K(0), K(1)]) == 0
     store.complete_step(6)
     assert store.statistics().pinned_slots == 2
     store.complete_step(7)
     assert store.statistics().pinned_slots == 0
     assert store.discard([K(0), K(1)]) == 2
+    assert store.statistics().used_slots == 0
+
+
+def test_discarding_a_pinned_block_makes_it_unreadable_then_drops_it(make_store) -> None:
+    store = make_store()
+    slots = save_ready(store, [K(0), K(1)], step=0)
+    store.pin([K(0)], step=7)  # a reader of step 7 still copies from it
+    assert store.discard([K(0)]) == 1
+    assert store.lookup([K(0)]) == 0  # no new reader may find it
+    assert store.pin([K(0)], step=8) == [None]
+    assert store.statistics().used_slots == 2  # but its slot is not reused under the reader
+    store.complete_step(7)
+    assert store.statistics().used_slots == 1
+    assert not store.contains(K(0))
+    assert store.lookup([K(1)]) == 1 and slots[1] is not None
+
+
+def test_doomed_pending_saves_never_become_readable(make_store) -> None:
+    store = make_store()
+    store.prepare_save([K(0)], step=3)
+    store.prepare_save([K(1)], step=4)
+    assert store.doom_pending(after_step=3) == 1
+    store.complete_step(4)
+    assert store.lookup([K(0)]) == 1
+    assert store.lookup([K(1)]) == 0 and not store.contains(K(1))
 
 
 def test_pins_count(make_store) -> None:
@@ -166,13 +190,11 @@ def test_pins_count(make_store) -> None:
     save_ready(store, [K(0)], step=0)
     store.pin([K(0)], step=1)
     store.pin([K(0)], step=2)
+    store.discard([K(0)])
     store.complete_step(1)
-    assert store.discard([K(0)]) == 0  # still pinned by step 2
+    assert store.contains(K(0))  # still pinned by step 2
     store.complete_step(2)
-    assert store.discard([K(0)]) == 1
-
-
-# --- eviction ---------------------------------------------------------------
+    assert not store.contains(K(0))
 
 
 def test_watermark_evicts_down_to_low_in_lru_order(make_store, tier: DramTier) -> None:
@@ -284,10 +306,10 @@ def test_discard_drops_only_unpinned_ready(make_store, tier: DramTier) -> None:
     slots = save_ready(store, [K(0), K(1), K(2)], step=0)
     store.pin([K(1)], step=5)
     store.prepare_save([K(3)], step=1)
-    assert store.discard([K(0), K(1), K(3), K(99), K(0)]) == 1
+    assert store.discard([K(0), K(1), K(3), K(99), K(0)]) == 2  # K1 pinned: doomed, dropped when free
     assert not store.contains(K(0))
     assert store.contains(K(1)) and store.contains(K(3))
-    assert store.lookup([K(0)]) == 0
+    assert store.lookup([K(0)]) == 0 and store.lookup([K(1)]) == 0
     assert tier.header(slots[0]).ready_mask == 0
     assert store.statistics().used_slots == 3
     assert store.prepare_save([K(0)], step=1) == [slots[0]]  # its slot is free again
@@ -337,3 +359,13 @@ def test_clear_drops_ready_unpinned_and_keeps_the_rest(make_store) -> None:
     assert store.lookup([K(2)]) == 0
     assert store.contains(K(3))
     assert store.statistics().used_slots == 2
+
+
+def test_abandoned_saves_free_their_slots(make_store) -> None:
+    store = make_store()
+    store.prepare_save([K(0), K(1)], step=3)
+    store.prepare_save([K(2)], step=4)
+    assert store.abandon_saves(3) == 2
+    assert store.statistics().used_slots == 1
+    store.complete_step(4)
+    assert store.lookup([K(2)]) == 1 and not store.contains(K(0))

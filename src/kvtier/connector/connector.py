@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+
+import xxhash
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -55,26 +57,59 @@ _LAYER_ALIGN = 64
 
 
 def _full_attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, list[str]]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ConfigError("kv_cache_groups", len(groups),
                           "kvtier supports models with one KV cache group (full attention) only")
-    return groups[0].kv_cache_spec, list(groups[0].layer_names)
+    spec = groups[0].kv_cache_spec
+    # Sliding-window and chunked-local layers keep vLLM's shared null block
+    # in their block tables outside the window: a "block" there is not KV of
+    # those tokens, so such models are refused rather than cached wrongly.
+    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) \
+            or getattr(spec, "attention_chunk_size", None):
+        raise ConfigError("kv_cache_spec", type(spec).__name__,
+                          "kvtier supports full attention only (no sliding window or chunked local attention)")
+    return spec, list(groups[0].layer_names)
+
+
+def _weights_digest(model_dir: str, samples: int = 16, chunk: int = 1 << 16) -> str:
+    """Digest of the weight files' names, sizes and sampled bytes.
+
+    A fine-tune usually keeps config.json unchanged, so the config alone
+    would let a new checkpoint under the same path hit the old one's blocks
+    (on SSD, across restarts). Reading ``samples`` chunks spread over each
+    file costs a few MiB at start-up; ``model_id`` overrides all of this.
+    """
+    h = xxhash.xxh3_128()
+    names = sorted(n for n in os.listdir(model_dir)
+                   if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")))
+    for name in names:
+        path = os.path.join(model_dir, name)
+        size = os.path.getsize(path)
+        h.update(f"{name}:{size};".encode())
+        with open(path, "rb") as f:
+            for i in range(samples):
+                f.seek(size * i // samples)
+                h.update(f.read(chunk))
+    return h.hexdigest()[:16]
 
 
 def _model_identity(vllm_config: VllmConfig, cfg: KvtierConfig) -> str:
-    if cfg.model_id:
-        return cfg.model_id
     mc = vllm_config.model_config
+    # What else changes the bytes of K and V for the same weights.
+    extra = f"|quant={getattr(mc, 'quantization', None)}|overrides={getattr(mc, 'hf_overrides', None)!r}"
+    if cfg.model_id:
+        return cfg.model_id + extra
     ident = f"{mc.model}@{mc.revision or ''}"
     conf = os.path.join(str(mc.model), "config.json")
     if os.path.isfile(conf):
         # A local directory: the same path may hold another model tomorrow.
         with open(conf, "rb") as f:
             ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
-        st = os.stat(conf)
-        ident += f"/{st.st_size}"
-    return ident
+        ident += "#" + _weights_digest(str(mc.model))
+    return ident + extra
 
 
 def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> KeyNamespace:
@@ -222,7 +257,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         if self._scheduler is None:
             return None
-        n = self._scheduler.store.clear()
+        try:
+            n = self._scheduler.store.clear()
+        except Exception:  # noqa: BLE001
+            log.exception("kvtier: reset failed")
+            return False
         log.info("kvtier: reset dropped %d blocks", n)
         return True
 
@@ -270,7 +309,11 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         half = self._scheduler or self._worker
-        return half.get_kv_connector_stats() if half is not None else None
+        try:
+            return half.get_kv_connector_stats() if half is not None else None
+        except Exception:  # noqa: BLE001 - statistics are never worth a failed step
+            log.exception("kvtier: collecting statistics failed")
+            return None
 
     def shutdown(self) -> None:
         half = self._scheduler or self._worker

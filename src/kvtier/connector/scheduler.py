@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+
+import xxhash
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,8 @@ class _ReqState:
     disk_keys: set[bytes] = field(default_factory=set)  # keys this request had promoted from SSD
     load_keys: list[bytes] = field(default_factory=list)  # keys of the last planned load
     waiting_since: float | None = None  # waiting for a promotion since (monotonic)
+    seed: bytes = b""  # the chain's seed: the namespace, plus the request's LoRA and cache salt
+    uncacheable: bool = False  # multimodal or embedding inputs: tokens alone do not name the KV
 
 
 class SchedulerSide:
@@ -62,6 +66,10 @@ class SchedulerSide:
         self._reqs: dict[str, _ReqState] = {}
         self._step = 0
         self._loads_this_step: list[BlockCopy] = []
+        # Per planned step: request -> first block index it loads or saves in
+        # that step. If the step's copies fail, those requests go back there,
+        # so that the blocks vLLM recomputes are saved again.
+        self._rewind: dict[int, dict[str, int]] = {}
         self.kv_cache_manager = kv_cache_manager
         self._stats = KvtierStats()
         self._last_counters: dict[str, int] = {}
@@ -72,7 +80,15 @@ class SchedulerSide:
     def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
-            st = _ReqState(request)
+            st = _ReqState(request, seed=self._seed)
+            lora = getattr(request, "lora_request", None)
+            salt = getattr(request, "cache_salt", None)
+            if lora is not None or salt:
+                # Same tokens under another adapter or tenant salt are other KV.
+                tag = f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')};salt={salt or ''}"
+                st.seed = xxhash.xxh3_128_digest(self._seed + tag.encode())
+            st.uncacheable = bool(getattr(request, "mm_features", None)) or \
+                getattr(request, "prompt_embeds", None) is not None
             self._reqs[request.request_id] = st
         return st
 
@@ -85,9 +101,9 @@ class SchedulerSide:
             want = min(want, len(tokens) // self.block_tokens)
             if want > have:
                 end = want * self.block_tokens
-                st.keys.extend(block_keys(self._seed, tokens[have * self.block_tokens : end], self.block_tokens)
+                st.keys.extend(block_keys(st.seed, tokens[have * self.block_tokens : end], self.block_tokens)
                                if have == 0 else
-                               block_keys(self._seed, tokens[:end], self.block_tokens, start=have,
+                               block_keys(st.seed, tokens[:end], self.block_tokens, start=have,
                                           parent=st.keys[-1]))
         return st.keys[:want]
 
@@ -99,6 +115,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
+        if st.uncacheable:
+            return 0, False
         # At least one token must be computed to produce logits.
         limit = request.num_tokens - 1
         keys = self._keys(st, limit)
@@ -141,13 +159,22 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0]
         keys = st.keys[first:last]
         st.load_keys = keys
+        marks = self._rewind.setdefault(self._step, {})
+        marks[request.request_id] = min(marks.get(request.request_id, first), first)
         slots = self.store.pin(keys, self._step)
+        null = self._null_block_id()
         for i, (key, slot) in enumerate(zip(keys, slots)):
             # A slot that vanished since the lookup is planned with slot -1:
             # the worker reports the block as a load error and vLLM recomputes.
-            self._loads_this_step.append(BlockCopy(block_ids[first + i], -1 if slot is None else slot, key))
+            block_id = block_ids[first + i]
+            self._loads_this_step.append(BlockCopy(block_id, -1 if slot is None or block_id == null else slot, key))
         # Blocks loaded from the pool are already there; never save them again.
         st.saved_blocks = max(st.saved_blocks, last)
+
+    def _null_block_id(self) -> int:
+        pool = getattr(self.kv_cache_manager, "block_pool", None)
+        null = getattr(pool, "null_block", None)
+        return getattr(null, "block_id", -1)
 
     def fail_load(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         """Plan the request's external blocks as failed loads (slot -1): vLLM
@@ -175,7 +202,7 @@ class SchedulerSide:
         sched = scheduler_output.num_scheduled_tokens
         for req_id, n_sched in sched.items():
             st = self._reqs.get(req_id)
-            if st is None:
+            if st is None or st.uncacheable:
                 continue
             req = st.request
             done_tokens = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))
@@ -185,12 +212,15 @@ class SchedulerSide:
             keys = self._keys(st, n_full * self.block_tokens)
             n_full = len(keys)
             block_ids = self.kv_cache_manager.get_blocks(req_id).get_block_ids()[0]
-            first = st.saved_blocks
-            new_keys = keys[first:n_full]
-            slots = self.store.prepare_save(new_keys, step)
-            for i, slot in enumerate(slots):
+            marks = self._rewind.setdefault(step, {})
+            marks[req_id] = min(marks.get(req_id, st.saved_blocks), st.saved_blocks)
+            null = self._null_block_id()
+            # vLLM's shared null block never holds a request's KV: never saved.
+            pairs = [(block_ids[i], keys[i]) for i in range(st.saved_blocks, n_full) if block_ids[i] != null]
+            slots = self.store.prepare_save([k for _, k in pairs], step)
+            for (block_id, key), slot in zip(pairs, slots):
                 if slot is not None:
-                    plan.saves.append(BlockCopy(block_ids[first + i], slot, new_keys[i]))
+                    plan.saves.append(BlockCopy(block_id, slot, key))
             st.saved_blocks = n_full
         self._loads_this_step = []
         self._step += 1
@@ -198,19 +228,38 @@ class SchedulerSide:
 
     def update_connector_output(self, output: Any) -> None:
         report = getattr(output, "kv_connector_worker_meta", None)
-        if not isinstance(report, StepReport):
-            return
-        if report.corrupt_keys:
-            self.store.discard(report.corrupt_keys)
-            self._stats.add("corrupt_blocks", len(report.corrupt_keys))
-        for step, n in sorted(report.done.items()):
-            failed = report.failed_slots if n >= self.ranks else None
-            if failed is None:
-                # Not every rank finished: nothing of that step may be read.
-                log.warning("kvtier: step %d reported by %d of %d ranks; dropping its saves", step, n, self.ranks)
-                self.store.complete_step(step, failed_slots=range(self.store.tier.num_slots))
-            else:
-                self.store.complete_step(step, failed_slots=failed)
+        invalid = getattr(output, "invalid_block_ids", None)
+        if isinstance(report, StepReport):
+            if report.failed_slots or invalid:
+                for step in report.done:
+                    for req_id, first in self._rewind.get(step, {}).items():
+                        st = self._reqs.get(req_id)
+                        if st is not None:
+                            st.saved_blocks = min(st.saved_blocks, first)
+            if report.done:
+                # Steps finish in order: marks of this step and of any earlier
+                # step that had nothing to report are done with.
+                last_done = max(report.done)
+                for step in [s for s in self._rewind if s <= last_done]:
+                    del self._rewind[step]
+            for step, n in sorted(report.done.items()):
+                if n >= self.ranks:
+                    self.store.complete_step(step, failed_slots=report.failed_slots)
+                else:
+                    # Not every rank finished: nothing of that step may be read.
+                    log.warning("kvtier: step %d reported by %d of %d ranks; dropping its saves", step, n,
+                                self.ranks)
+                    self.store.complete_step(step, failed_slots=range(self.store.tier.num_slots))
+            if report.corrupt_keys:
+                # After complete_step, so that the step's own pins no longer hold them.
+                self.store.discard(report.corrupt_keys)
+                self._stats.add("corrupt_blocks", len(report.corrupt_keys))
+        if invalid:
+            # A load failed: the workers dropped that step's saves; steps
+            # planned since (asynchronous scheduling) may have computed on the
+            # bad blocks too, so their saves never become readable either.
+            last = max(report.done) if isinstance(report, StepReport) and report.done else self._step - 2
+            self.store.doom_pending(last)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         if not num_external_tokens:

@@ -54,6 +54,12 @@ class WorkerSide:
         self._disabled = False
         self._pool: ThreadPoolExecutor | None = None
         self._verifying: Future | None = None
+        self._verifying_copies: list[BlockCopy] = []
+        # The step's report stays reachable after vLLM took it: with
+        # speculative decoding vLLM calls wait_for_save after
+        # build_connector_worker_meta, and save failures must still reach it.
+        self._last_report: StepReport | None = None
+        self._step_load_failed = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self._kind)
@@ -87,6 +93,8 @@ class WorkerSide:
 
     def start_load_kv(self, plan: StepPlan) -> None:
         self._report = StepReport(done={plan.step: 1}) if (plan.loads or plan.saves) else None
+        self._last_report = None
+        self._step_load_failed = False
         if not plan.loads:
             return
         if not self._attach(plan.arena):
@@ -100,8 +108,11 @@ class WorkerSide:
             # hold this key, sealed by every rank, is never copied.
             if c.slot >= 0 and tier.is_sealed(c.slot, c.key):
                 good.append(c)
-            else:
-                self._load_errors.add(c.block_id)
+                continue
+            self._load_errors.add(c.block_id)
+            if c.slot >= 0 and self._report is not None:
+                # Published but not sealed for this key: the index must forget it.
+                self._report.corrupt_keys.append(c.key)
         try:
             scatter_blocks(self._layers, self.layout, [c.block_id for c in good], self._slots,
                            [c.slot for c in good])
@@ -117,6 +128,7 @@ class WorkerSide:
             # nothing computed from it is ever served. Verifying before the
             # copy put the whole pass on the critical path (docs/benchmarks.md).
             self._verifying = self._verifier().submit(self._verify, good)
+            self._verifying_copies = good
         self._stats.add("blocks_loaded", len(good))
         self._stats.add("bytes_loaded", len(good) * self.layout.block_bytes)
         self._stats.add("load_seconds", time.perf_counter() - t0)
@@ -142,11 +154,15 @@ class WorkerSide:
         fut, self._verifying = self._verifying, None
         if fut is None:
             return
+        copies = self._verifying_copies
+        self._verifying_copies = []
         try:
             bad = fut.result()
-        except Exception:  # noqa: BLE001
-            log.exception("kvtier: checksum verification failed to run")
-            bad = []
+        except Exception:  # noqa: BLE001 - unverified loads are not good loads
+            log.exception("kvtier: checksum verification failed to run; the loads are reported as errors")
+            self._load_errors.update(c.block_id for c in copies)
+            self._step_load_failed = True
+            return
         if bad:
             log.warning("kvtier: %d loaded blocks failed their checksum; vLLM recomputes them", len(bad))
             self._load_errors.update(c.block_id for c in bad)
@@ -162,14 +178,13 @@ class WorkerSide:
             self._report = StepReport(done={plan.step: 1})
 
     def fail_saves(self, plan: StepPlan) -> None:
-        if self._report is None:
-            self._report = StepReport(done={plan.step: 1})
-        self._report.failed_slots.extend(c.slot for c in plan.saves)
+        self._current_report(plan.step).failed_slots.extend(c.slot for c in plan.saves)
         self._stats.add("save_errors", len(plan.saves))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._join_verification()
         if self._load_errors:
+            self._step_load_failed = True
             self._stats.add("load_errors", len(self._load_errors))
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -179,10 +194,16 @@ class WorkerSide:
     def wait_for_save(self, plan: StepPlan) -> None:
         if not plan.saves:
             return
-        report = self._report
+        report = self._current_report(plan.step)
+        self._join_verification()  # the step's load errors must be known before anything is saved
+        if self._step_load_failed or self._load_errors:
+            # Blocks computed in a step where a load failed may have attended
+            # to that bad block (this request's, or another's sharing it):
+            # none of the step's saves may be published.
+            report.failed_slots.extend(c.slot for c in plan.saves)
+            return
         if not self._attach(plan.arena):
-            if report is not None:
-                report.failed_slots.extend(c.slot for c in plan.saves)
+            report.failed_slots.extend(c.slot for c in plan.saves)
             return
         t0 = time.perf_counter()
         blocks = [c.block_id for c in plan.saves]
@@ -193,8 +214,7 @@ class WorkerSide:
                 self._tier.seal(c.slot, c.key, self.rank, checksum(self._tier.rank_view(c.slot, self.rank)))
         except Exception:  # noqa: BLE001 - a failed save is only a future miss
             log.exception("kvtier: saving %d blocks failed", len(blocks))
-            if report is not None:
-                report.failed_slots.extend(slots)
+            report.failed_slots.extend(slots)
             self._stats.add("save_errors", len(blocks))
             return
         self._stats.add("blocks_saved", len(blocks))
@@ -204,6 +224,13 @@ class WorkerSide:
     def build_report(self) -> StepReport | None:
         self._join_verification()  # normally joined already, with the load errors
         report, self._report = self._report, None
+        self._last_report = report
+        return report
+
+    def _current_report(self, step: int) -> StepReport:
+        report = self._report or self._last_report
+        if report is None:
+            report = self._report = StepReport(done={step: 1})
         return report
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
