@@ -198,6 +198,7 @@ class TieredStore:
             self._ssd_policy.insert(rec.key)
             used.add(loc)
         self._ssd_free = [loc for loc in reversed(self.ssd.locations()) if loc not in used]
+        self._ssd_dirty |= self.ssd.unreadable - used
 
     def close(self) -> None:
         """Finish the I/O in flight, then stop the I/O threads (tiers are closed by their owner)."""

@@ -623,3 +623,16 @@ def test_crash_at_every_io_call_leaves_only_verified_blocks(tmp_path: Path, batc
     for blocks, _ in batches:
         final.update(blocks)
     assert found == final
+
+
+def test_a_header_recovery_cannot_read_is_marked_for_rewrite(make_ssd) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT)
+    locs = tier.locations()
+    put(tier, {locs[0]: (K(0), 1), locs[1]: (K(1), 2)})
+    tier.close()
+    io = FaultIo()
+    io.arm("preadv", errno.EIO, nth=2)  # superblock read first, then slot 0's header, then slot 1's: fails
+    tier, recovered = make_ssd(PER_PATH, SLOT, io=io)
+    assert io.fired
+    assert [rec.key for _, rec in recovered] == [K(0)]
+    assert tier.unreadable == {locs[1]}

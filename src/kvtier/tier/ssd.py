@@ -182,6 +182,7 @@ class SsdTier:
         self._io = io
         self.slot_bytes = paths[0].slot_bytes
         self._tls = threading.local()
+        self.unreadable: set[SsdLocation] = set()  # headers recovery could not read
         self._seq_lock = threading.Lock()
         self._seq = 0
 
@@ -379,8 +380,10 @@ class SsdTier:
                         n = self._io.preadv(p.fd, [view], p.header_offset(s))
                     except OSError as err:
                         log.warning("kvtier: reading SSD header %s slot %d failed: %s", p.path, s, err)
-                        continue
+                        n = -1
                     if n != PAGE:
+                        # Unknown contents: its header is rewritten empty before reuse.
+                        self.unreadable.add(SsdLocation(p.index, s))
                         continue
                     rec = self._unpack_header(bytes(view[: _HEADER.size + _HDR_SUM.size]))
                     if rec is not None:
