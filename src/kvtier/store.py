@@ -94,37 +94,15 @@ class Probe:
     total: int
 
 
-@dataclass(frozen=True)
-class StoreStatistics:
-    num_slots: int
-    used_slots: int
-    pending_slots: int
-    pinned_slots: int
-    evictions: int
-    save_failures: int
-    lookups: int
-    lookup_hits: int  # keys found, over all lookups
-    ssd_slots: int = 0
-    ssd_used: int = 0
-    demotions: int = 0
-    demote_failures: int = 0
-    evicted_without_copy: int = 0
-    promotions: int = 0
-    promote_failures: int = 0
-    ssd_corrupt: int = 0
-    ssd_evictions: int = 0
-
-    @property
-    def usage(self) -> float:
-        return self.used_slots / self.num_slots if self.num_slots else 0.0
-
-
 @dataclass
-class _Counters:
+class EventCounts:
+    """Cumulative events of a store. The store updates its own under its lock;
+    :meth:`TieredStore.statistics` hands out a copy."""
+
     evictions: int = 0
     save_failures: int = 0
     lookups: int = 0
-    lookup_hits: int = 0
+    lookup_hits: int = 0  # keys found, over all lookups
     demotions: int = 0
     demote_failures: int = 0
     evicted_without_copy: int = 0
@@ -133,9 +111,21 @@ class _Counters:
     ssd_corrupt: int = 0
     ssd_evictions: int = 0
     corrupt_dram: int = 0  # DRAM blocks found bad before demotion
-    last_eviction_log: float = 0.0
-    last_ssd_eviction_log: float = 0.0
-    pending_by_step: dict[int, list[bytes]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StoreStatistics:
+    num_slots: int
+    used_slots: int
+    pending_slots: int
+    pinned_slots: int
+    ssd_slots: int = 0
+    ssd_used: int = 0
+    events: EventCounts = field(default_factory=EventCounts)
+
+    @property
+    def usage(self) -> float:
+        return self.used_slots / self.num_slots if self.num_slots else 0.0
 
 
 def _marks(num_slots: int, high_pct: float, low_pct: float) -> tuple[int, int]:
@@ -159,7 +149,9 @@ class TieredStore:
         self._free: list[int] = list(range(tier.num_slots - 1, -1, -1))
         self._high, self._low = _marks(tier.num_slots, high_pct, low_pct)
         self._watermark = max(1, int(tier.num_slots * dram_watermark_pct / 100))
-        self._c = _Counters()
+        self._c = EventCounts()
+        self._pending_by_step: dict[int, list[bytes]] = {}
+        self._last_eviction_log = self._last_ssd_eviction_log = 0.0
         # Re-entrant: a job's done-callback may run on the thread that submitted it.
         self._lock = threading.RLock()
         self._pins_by_step: dict[int, list[bytes]] = {}
@@ -313,7 +305,7 @@ class TieredStore:
             new = [k for k in dict.fromkeys(keys) if k not in self._entries]
             self._make_room_locked(len(new))
             wanted = set(new)
-            pending = self._c.pending_by_step.setdefault(step, [])
+            pending = self._pending_by_step.setdefault(step, [])
             added: list[bytes] = []
             for key in keys:
                 if key not in wanted:
@@ -345,8 +337,8 @@ class TieredStore:
         """
         failed = set(failed_slots)
         with self._lock:
-            for s in [s for s in self._c.pending_by_step if s <= step]:
-                for key in self._c.pending_by_step.pop(s):
+            for s in [s for s in self._pending_by_step if s <= step]:
+                for key in self._pending_by_step.pop(s):
                     e = self._entries.get(key)
                     if e is None or e.state is not EntryState.PENDING:
                         continue
@@ -368,7 +360,7 @@ class TieredStore:
         """Drop the PENDING entries of ``step``: no writer will fill them. Returns how many."""
         with self._lock:
             n = 0
-            for key in self._c.pending_by_step.pop(step, []):
+            for key in self._pending_by_step.pop(step, []):
                 e = self._entries.get(key)
                 if e is not None and e.state is EntryState.PENDING:
                     self._drop(key, e)
@@ -404,7 +396,7 @@ class TieredStore:
         """
         n = 0
         with self._lock:
-            for s, keys in self._c.pending_by_step.items():
+            for s, keys in self._pending_by_step.items():
                 if s <= after_step:
                     continue
                 for key in keys:
@@ -522,8 +514,8 @@ class TieredStore:
         self._c.evicted_without_copy += lost
         if freed + lost + demoted:
             now = time.monotonic()
-            if now - self._c.last_eviction_log > 10.0:  # at most one line per 10 s
-                self._c.last_eviction_log = now
+            if now - self._last_eviction_log > 10.0:  # at most one line per 10 s
+                self._last_eviction_log = now
                 log.info("kvtier: DRAM eviction: %d freed (copy on SSD), %d demoting, %d freed without copy; "
                          "%d/%d slots used; totals: %d evictions", freed, demoted, lost, len(self._entries),
                          self.tier.num_slots, self._c.evictions)
@@ -558,8 +550,8 @@ class TieredStore:
             n += 1
         self._c.ssd_evictions += n
         now = time.monotonic()
-        if n and now - self._c.last_ssd_eviction_log > 10.0:  # at most one line per 10 s
-            self._c.last_ssd_eviction_log = now
+        if n and now - self._last_ssd_eviction_log > 10.0:  # at most one line per 10 s
+            self._last_ssd_eviction_log = now
             log.info("kvtier: SSD eviction: %d blocks dropped; %d/%d slots used; totals: %d evictions",
                      n, len(self._ssd_entries), self.ssd.num_slots, self._c.ssd_evictions)
 
@@ -745,9 +737,5 @@ class TieredStore:
         with self._lock:
             pending = sum(1 for e in self._entries.values() if e.state is not EntryState.READY)
             pinned = sum(1 for e in self._entries.values() if e.pins)
-            c = self._c
-            return StoreStatistics(
-                self.tier.num_slots, len(self._entries), pending, pinned, c.evictions, c.save_failures,
-                c.lookups, c.lookup_hits, self.ssd.num_slots if self.ssd else 0, len(self._ssd_entries),
-                c.demotions, c.demote_failures, c.evicted_without_copy, c.promotions, c.promote_failures,
-                c.ssd_corrupt, c.ssd_evictions)
+            return StoreStatistics(self.tier.num_slots, len(self._entries), pending, pinned,
+                                   self.ssd.num_slots if self.ssd else 0, len(self._ssd_entries), replace(self._c))

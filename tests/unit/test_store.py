@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from kvtier.policy import LruPolicy
-from kvtier.store import StoreStatistics, TieredStore
+from kvtier.store import EventCounts, StoreStatistics, TieredStore
 from kvtier.tier import DramTier
 
 SLOTS = 20
@@ -130,7 +130,7 @@ def test_failed_slots_are_dropped_and_freed(make_store, tier: DramTier) -> None:
     assert not store.contains(K(1))
     assert tier.header(b).ready_mask == 0 and tier.header(b).key == bytes(16)
     stats = store.statistics()
-    assert (stats.used_slots, stats.save_failures, stats.pending_slots) == (2, 1, 0)
+    assert (stats.used_slots, stats.events.save_failures, stats.pending_slots) == (2, 1, 0)
     assert store.used_slots == 2
     # The freed slot is handed out again, and the key can be saved again.
     assert store.prepare_save([K(1)], step=1) == [b]
@@ -142,7 +142,7 @@ def test_failed_slots_only_touch_pending_entries(make_store) -> None:
     store.prepare_save([K(1)], step=1)
     store.complete_step(1, failed_slots=[a])  # slot a holds a READY entry: not this step's
     assert store.lookup([K(0), K(1)]) == 2
-    assert store.statistics().save_failures == 0
+    assert store.statistics().events.save_failures == 0
 
 
 # --- pins -------------------------------------------------------------------
@@ -202,13 +202,13 @@ def test_watermark_evicts_down_to_low_in_lru_order(make_store, tier: DramTier) -
     slots = {}
     for i in range(10):
         slots[K(i)] = save_ready(store, [K(i)], step=i)[0]
-    assert store.statistics().evictions == 0
+    assert store.statistics().events.evictions == 0
     assert store.statistics().used_slots == 10  # at the high mark, not past it
     assert store.lookup([K(0)]) == 1  # K(0) becomes the most recent
     [new] = store.prepare_save([K(10)], step=10)
     assert new is not None
     stats = store.statistics()
-    assert stats.evictions == 6
+    assert stats.events.evictions == 6
     assert stats.used_slots == 5
     assert held(store, [K(i) for i in range(11)]) == [K(0), K(7), K(8), K(9), K(10)]
     # Evicted slots are cleared in the arena; one of them now names K(10).
@@ -227,7 +227,7 @@ def test_batch_save_lands_at_low_mark(make_store) -> None:
     store.prepare_save([K(100), K(101), K(102)], step=10)
     stats = store.statistics()
     assert stats.used_slots == 5
-    assert stats.evictions == 8
+    assert stats.events.evictions == 8
     assert held(store, [K(i) for i in range(10)]) == [K(8), K(9)]
 
 
@@ -239,7 +239,7 @@ def test_eviction_skips_pending_and_pinned(make_store) -> None:
     store.prepare_save([K(10)], step=2)
     stats = store.statistics()
     # Only K(2) and K(3) could go; everything else stays although above low.
-    assert stats.evictions == 2
+    assert stats.events.evictions == 2
     assert held(store, [K(i) for i in range(11)]) == [K(0), K(1)] + [K(i) for i in range(4, 11)]
     store.complete_step(2)
     assert store.lookup([K(0), K(1)]) == 2
@@ -259,10 +259,10 @@ def test_no_room_returns_none_for_the_overflow(make_store) -> None:
     store.complete_step(0)
     store.pin(keys[:SLOTS], step=2)
     assert store.prepare_save([K(100)], step=2) == [None]
-    assert store.statistics().evictions == 0
+    assert store.statistics().events.evictions == 0
     store.complete_step(2)  # pins released
     assert store.prepare_save([K(100)], step=3) != [None]
-    assert store.statistics().evictions > 0
+    assert store.statistics().events.evictions > 0
 
 
 def test_saves_in_one_step_keep_call_order(make_store) -> None:
@@ -278,7 +278,7 @@ def test_saves_in_one_step_keep_call_order(make_store) -> None:
         save_ready(store, [K(100 + i)], step=4 + i)
     assert store.statistics().used_slots == 19
     store.prepare_save([K(200)], step=30)  # evicts down to 16 before adding
-    assert store.statistics().evictions == 3
+    assert store.statistics().events.evictions == 3
     assert held(store, [K(0), K(1), K(10), K(11)]) == [K(10)]
 
 
@@ -318,7 +318,7 @@ def test_discard_drops_only_unpinned_ready(make_store, tier: DramTier) -> None:
 def test_statistics(make_store) -> None:
     store = make_store(high_pct=50, low_pct=25)
     empty = store.statistics()
-    assert empty == StoreStatistics(SLOTS, 0, 0, 0, 0, 0, 0, 0)
+    assert empty == StoreStatistics(SLOTS, 0, 0, 0)
     assert empty.usage == 0.0
     for i in range(10):
         save_ready(store, [K(i)], step=i)
@@ -335,12 +335,9 @@ def test_statistics(make_store) -> None:
         used_slots=len(held(store, [K(i) for i in range(13)])),
         pending_slots=0,
         pinned_slots=1,
-        evictions=stats.evictions,
-        save_failures=1,
-        lookups=2,
-        lookup_hits=2,
+        events=EventCounts(evictions=stats.events.evictions, save_failures=1, lookups=2, lookup_hits=2),
     )
-    assert stats.evictions >= 6
+    assert stats.events.evictions >= 6
     assert stats.used_slots == store.used_slots
     assert stats.usage == stats.used_slots / SLOTS
     with pytest.raises(dataclasses.FrozenInstanceError):

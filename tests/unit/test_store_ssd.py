@@ -237,7 +237,7 @@ def test_saving_past_high_demotes_lru_blocks(make_store) -> None:
     assert store.probe([KEYS[30], KEYS[4]]) == Probe(0, 0)
     assert store.lookup(KEYS[4:9] + KEYS[:4]) == 5
     stats = store.statistics()
-    assert stats.demotions == c["blocks_demoted"] and stats.ssd_slots == 32
+    assert stats.events.demotions == c["blocks_demoted"] and stats.ssd_slots == 32
 
 
 def test_promote_brings_blocks_back_bit_exact(make_store) -> None:

@@ -63,37 +63,34 @@ def plot(reports: Sequence[BenchReport], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    paths = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in reports:
+    def figure(name: str, title: str, xlabel: str, ylabel: str, draw) -> str:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in reports:
+            draw(ax, r)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def cdf(ax, r: BenchReport) -> None:
         ttft = np.sort([x.ttft_s * 1000 for x in r.results if x.ok])
         if len(ttft):
             ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=r.label)
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "ttft_cdf.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in reports:
+    def by_hit_rate(ax, r: BenchReport) -> None:
         ok = [x for x in r.results if x.ok and x.prompt_tokens]
         ax.scatter([x.cached_tokens / x.prompt_tokens for x in ok], [x.ttft_s * 1000 for x in ok], s=12,
                    alpha=0.7, label=r.label)
-    ax.set_xlabel("cached fraction of the prompt")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("TTFT against hit rate")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "ttft_vs_hit_rate.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths
+
+    return [figure("ttft_cdf.png", "TTFT CDF", "TTFT (ms)", "fraction of requests", cdf),
+            figure("ttft_vs_hit_rate.png", "TTFT against hit rate", "cached fraction of the prompt", "TTFT (ms)",
+                   by_hit_rate)]
 
 
 def write_all(reports: Sequence[BenchReport], out_dir: str, plots: bool = True) -> list[str]:
