@@ -94,6 +94,11 @@ class Probe:
     total: int
 
 
+# Evictions come in bursts, one per engine step under pressure: each tier
+# logs at most one summary line per interval; the counters count every one.
+EVICTION_LOG_INTERVAL_S = 10.0
+
+
 @dataclass
 class EventCounts:
     """Cumulative events of a store. The store updates its own under its lock;
@@ -109,6 +114,7 @@ class EventCounts:
     promotions: int = 0
     promote_failures: int = 0
     ssd_corrupt: int = 0
+    ssd_read_errors: int = 0  # SSD copies that could not be read back (then forgotten)
     ssd_evictions: int = 0
     corrupt_dram: int = 0  # DRAM blocks found bad before demotion
 
@@ -151,7 +157,7 @@ class TieredStore:
         self._watermark = max(1, int(tier.num_slots * dram_watermark_pct / 100))
         self._c = EventCounts()
         self._pending_by_step: dict[int, list[bytes]] = {}
-        self._last_eviction_log = self._last_ssd_eviction_log = 0.0
+        self._last_eviction_log = self._last_ssd_eviction_log = float("-inf")  # the first one always logs
         # Re-entrant: a job's done-callback may run on the thread that submitted it.
         self._lock = threading.RLock()
         self._pins_by_step: dict[int, list[bytes]] = {}
@@ -477,6 +483,17 @@ class TieredStore:
     def _evict_to(self, target: int) -> None:
         freed = demoted = lost = 0
         batch: list[bytes] = []
+        if self.ssd is not None and (len(self._entries) >= self._watermark or self._demoting >= self._demote_limit):
+            # Freeing fast: blocks whose SSD copy is already written go first,
+            # in LRU order, before any block is freed without a copy.
+            for key in list(self._policy.victims()):
+                if self._effective_used() <= target:
+                    break
+                e = self._entries[key]
+                if e.on_ssd and not (e.pins or e.demoting or e.evict_after or e.doomed) \
+                        and e.state is EntryState.READY:
+                    self._drop(key, e)
+                    freed += 1
         for key in self._policy.victims():
             if self._effective_used() <= target:
                 break
@@ -514,7 +531,7 @@ class TieredStore:
         self._c.evicted_without_copy += lost
         if freed + lost + demoted:
             now = time.monotonic()
-            if now - self._last_eviction_log > 10.0:  # at most one line per 10 s
+            if now - self._last_eviction_log > EVICTION_LOG_INTERVAL_S:
                 self._last_eviction_log = now
                 log.info("kvtier: DRAM eviction: %d freed (copy on SSD), %d demoting, %d freed without copy; "
                          "%d/%d slots used; totals: %d evictions", freed, demoted, lost, len(self._entries),
@@ -550,7 +567,7 @@ class TieredStore:
             n += 1
         self._c.ssd_evictions += n
         now = time.monotonic()
-        if n and now - self._last_ssd_eviction_log > 10.0:  # at most one line per 10 s
+        if n and now - self._last_ssd_eviction_log > EVICTION_LOG_INTERVAL_S:
             self._last_ssd_eviction_log = now
             log.info("kvtier: SSD eviction: %d blocks dropped; %d/%d slots used; totals: %d evictions",
                      n, len(self._ssd_entries), self.ssd.num_slots, self._c.ssd_evictions)
@@ -705,9 +722,15 @@ class TieredStore:
                     continue
                 self._c.promote_failures += 1
                 self._drop(key, e)
-                if not io_error and s is not None:
-                    # Checksum or header mismatch: the SSD copy is bad, forget it.
-                    self._c.ssd_corrupt += 1
+                if s is not None and key in self._ssd_entries:
+                    # A checksum or header mismatch means the SSD copy is bad; a
+                    # read error means it cannot be had. Either way it is
+                    # forgotten, or every later request would promote it again
+                    # and wait on the same failure.
+                    if io_error:
+                        self._c.ssd_read_errors += 1
+                    else:
+                        self._c.ssd_corrupt += 1
                     self._drop_ssd(key)
 
     # --- statistics -------------------------------------------------------
@@ -727,6 +750,7 @@ class TieredStore:
             "evictions": c.evictions, "blocks_demoted": c.demotions, "demote_failures": c.demote_failures,
             "evicted_without_copy": c.evicted_without_copy, "blocks_promoted": c.promotions,
             "promote_failures": c.promote_failures, "ssd_corrupt_blocks": c.ssd_corrupt,
+            "ssd_read_errors": c.ssd_read_errors,
             "ssd_evictions": c.ssd_evictions, "corrupt_blocks": c.corrupt_dram,
             "dram_slots_used": self.used_slots,
             "dram_slots_total": self.tier.num_slots, "ssd_slots_used": len(self._ssd_entries),

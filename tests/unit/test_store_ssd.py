@@ -67,6 +67,8 @@ class DiskIo(IoOps):
         self.reads.set()
         self.writes.set()
         self.fail_writes = False
+        self.write_errno = errno.EIO
+        self.fail_reads = False
         self.violations: list[tuple[int, int]] = []
         self.data_writes = 0
         self.written: set[tuple[int, int]] = set()  # (fd, data offset) ever written
@@ -75,12 +77,14 @@ class DiskIo(IoOps):
 
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         assert self.reads.wait(60)
+        if self.fail_reads:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
         return super().preadv(fd, buffers, offset)
 
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         assert self.writes.wait(60)
         if self.fail_writes:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
+            raise OSError(self.write_errno, os.strerror(self.write_errno))
         if offset >= PAGE and (offset - PAGE) % self.stride == 0 and bytes(buffers[0][:8]) == HDR_MAGIC:
             with self._lock:
                 self.header_keys.append(bytes(buffers[0][16:32]))  # magic, epoch, key
@@ -339,8 +343,30 @@ def test_corrupt_ssd_block_is_not_promoted(make_store) -> None:
     assert dram_bytes(store, KEYS[2]) == block(KEYS[2])
 
 
-def test_ssd_write_error_drops_the_blocks(make_store, disk: DiskIo) -> None:
+def test_ssd_read_error_is_a_miss_and_the_copy_is_forgotten(make_store, disk: DiskIo) -> None:
     store = make_store()
+    save_each(store, KEYS[:9])
+    assert on_ssd(store, KEYS[:4]) == KEYS[:4]
+    disk.fail_reads = True
+    assert store.promote(KEYS[:2]) == 2
+    assert store.wait_idle()
+    c = store.counters()
+    assert (c["blocks_promoted"], c["promote_failures"], c["ssd_read_errors"]) == (0, 2, 2)
+    # Forgotten: a later request does not wait on the same failing read again.
+    assert store.probe(KEYS[:2]) == Probe(0, 0)
+    assert store.promote(KEYS[:2]) == 0
+    assert not store.contains(KEYS[0]) and not store.contains(KEYS[1])
+    assert c["dram_slots_used"] == 5
+    disk.fail_reads = False
+    assert store.promote(KEYS[2:4]) == 2  # the rest of the SSD tier still serves
+    assert store.wait_idle()
+    assert [dram_bytes(store, k) for k in KEYS[2:4]] == [block(k) for k in KEYS[2:4]]
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
+def test_ssd_write_error_drops_the_blocks(make_store, disk: DiskIo, err: int) -> None:
+    store = make_store()
+    disk.write_errno = err
     disk.fail_writes = True
     save_each(store, KEYS[:9])  # evicting K0..K3 tries to demote them
     c = store.counters()
@@ -378,6 +404,46 @@ def test_at_the_dram_watermark_eviction_frees_without_copy(make_store, disk: Dis
     assert c["demote_failures"] - failures >= 4 - lost
     assert in_dram(store, KEYS[:9]) == KEYS[4:9]
     assert store.probe(KEYS[:4]) == Probe(0, 0)
+
+
+def test_at_the_dram_watermark_blocks_with_an_ssd_copy_go_first(make_store, disk: DiskIo) -> None:
+    store = make_store(dram_watermark_pct=50)  # 5 of 10: eviction from 8 blocks frees fast
+    save_each(store, KEYS[:4])  # cleaned ahead: K0..K3 have SSD copies
+    assert store.counters()["blocks_demoted"] == 4
+    disk.fail_writes = True
+    save_each(store, KEYS[4:8], first_step=4)  # K4..K7: their copies fail, they stay in DRAM only
+    assert store.counters()["blocks_demoted"] == 4
+    store.probe(KEYS[:4])  # K0..K3 become the most recently used
+    before = store.counters()
+    save_each(store, KEYS[8:9], first_step=8)  # 9 > high 8: evict down to 4
+    c = store.counters()
+    # The least recently used blocks (K4..K7) have no SSD copy; freeing them
+    # would lose them. The four with a copy are freed instead.
+    assert c["evictions"] - before["evictions"] == 4
+    assert c["evicted_without_copy"] == before["evicted_without_copy"] == 0
+    assert in_dram(store, KEYS[:9]) == KEYS[4:9]
+    assert on_ssd(store, KEYS[:4]) == KEYS[:4]
+
+
+@pytest.mark.parametrize(("interval_s", "one_line"), [(0.0, False), (3600.0, True)])
+def test_evictions_are_logged_at_most_once_per_interval(make_store, caplog: pytest.LogCaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch, interval_s: float,
+                                                         one_line: bool) -> None:
+    monkeypatch.setattr("kvtier.store.EVICTION_LOG_INTERVAL_S", interval_s)
+    store = make_store(ssd_high_pct=25, ssd_low_pct=10)  # SSD high 8, low 3 of 32
+    caplog.set_level("INFO", logger="kvtier.store")
+    save_each(store, KEYS[:9])  # first DRAM eviction
+    save_each(store, KEYS[9:14], first_step=9)  # a second one, and the SSD tier passes its high mark
+    save_each(store, KEYS[14:24], first_step=14)  # the SSD tier again
+    c = store.counters()
+    assert c["evictions"] >= 8 and c["ssd_evictions"] >= 2
+    dram = [r.getMessage() for r in caplog.records if "DRAM eviction" in r.getMessage()]
+    ssd = [r.getMessage() for r in caplog.records if "SSD eviction" in r.getMessage()]
+    if one_line:  # every later eviction fell inside the interval
+        assert len(dram) == 1 and len(ssd) == 1
+    else:  # no interval: a line for each eviction pass
+        assert len(dram) >= 2 and len(ssd) >= 2
+    assert "freed" in dram[0] and "slots used" in dram[0] and "totals" in ssd[0]
 
 
 def test_full_demotion_queue_frees_without_copy(make_store, disk: DiskIo) -> None:

@@ -19,7 +19,8 @@ COUNTERS = (
     "blocks_saved", "bytes_saved", "save_seconds", "save_errors",
     "evictions", "corrupt_blocks",
     "blocks_demoted", "demote_failures", "evicted_without_copy",
-    "blocks_promoted", "promote_failures", "ssd_corrupt_blocks", "ssd_evictions",
+    "blocks_promoted", "promote_failures", "ssd_corrupt_blocks", "ssd_read_errors",
+    "ssd_evictions",
 )
 # Gauges: the latest value wins.
 GAUGES = ("dram_slots_used", "dram_slots_total", "ssd_slots_used", "ssd_slots_total")

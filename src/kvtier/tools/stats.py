@@ -29,6 +29,8 @@ _EVENTS = (
     ("demoted to SSD", "kvtier_blocks_demoted_total"),
     ("promoted from SSD", "kvtier_blocks_promoted_total"),
     ("SSD evictions", "kvtier_ssd_evictions_total"),
+    ("SSD corrupt blocks", "kvtier_ssd_corrupt_blocks_total"),
+    ("SSD read errors", "kvtier_ssd_read_errors_total"),
 )
 
 
