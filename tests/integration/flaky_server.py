@@ -4,8 +4,10 @@ Run as ``python -m tests.integration.flaky_server PORT``. The last word of
 the last user message picks the behaviour: ``ok`` streams five tokens,
 ``error`` answers HTTP 500, ``stall`` never answers, ``cut`` drops the
 connection mid-stream, ``empty`` finishes without output, ``midError``
-sends an error event inside the stream. /metrics serves counters that grow
-by fixed amounts per request, so hit rates are known.
+sends an error event inside the stream, ``trickle`` sends a token every
+200 ms and never finishes. /metrics serves counters that grow by fixed
+amounts per request, so hit rates are known; /requests returns every
+request body received, so tests can check what the client sent.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 from aiohttp import web
 
-STATE = {"requests": 0}
+STATE: dict = {"requests": 0, "bodies": []}
 
 
 def _metrics() -> str:
@@ -37,6 +39,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=_metrics())
 
 
+async def bodies(request: web.Request) -> web.Response:
+    return web.json_response(STATE["bodies"])
+
+
 async def models(request: web.Request) -> web.Response:
     return web.json_response({"data": [{"id": "flaky-model"}]})
 
@@ -48,6 +54,7 @@ def _chunk(text: str) -> bytes:
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     STATE["requests"] += 1
+    STATE["bodies"].append(body)
     last = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
     mode = last.split()[-1]
     if mode == "error":
@@ -60,6 +67,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: [DONE]\n\n")
         return resp
     turns = sum(1 for m in body["messages"] if m["role"] == "user")
+    if mode == "trickle":
+        for i in range(100000):
+            await resp.write(_chunk(f"t{turns}.{i} "))
+            await asyncio.sleep(0.2)
     for i in range(5):
         await resp.write(_chunk(f"t{turns}.{i} "))
         await asyncio.sleep(0.005)
@@ -80,6 +91,7 @@ def main() -> None:
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/requests", bodies)
     app.router.add_post("/v1/chat/completions", chat)
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -14,7 +15,16 @@ import pytest
 
 from kvtier.cli import main as cli_main
 from kvtier.errors import ConfigError
-from kvtier.tools.loadgen import BenchOptions, Session, load_workload, run
+from kvtier.tools.loadgen import (
+    Arrival,
+    BenchOptions,
+    Result,
+    Session,
+    arrival_schedule,
+    load_workload,
+    run,
+    summarize,
+)
 from kvtier.tools.report import markdown, write_all
 from kvtier.tools.server import free_port
 
@@ -42,11 +52,13 @@ def flaky_url() -> Iterator[str]:
 
 
 def test_failures_are_counted_by_kind_and_kept_out_of_latencies(flaky_url: str) -> None:
-    sessions = [Session([f"question {m}"]) for m in ("ok", "error", "stall", "cut", "empty", "midError", "ok")]
+    modes = ("ok", "error", "stall", "cut", "empty", "midError", "trickle", "ok")
+    sessions = [Session([f"question {m}"]) for m in modes]
     report = run(sessions, BenchOptions(url=flaky_url, concurrency=4, timeout_s=1.5, max_tokens=8))
     s = report.summary
-    assert s["requests"] == 7 and s["succeeded"] == 2 and s["failed"] == 5
-    assert s["errors"] == {"http": 2, "timeout": 1, "cut": 1, "empty": 1}
+    assert s["requests"] == 8 and s["succeeded"] == 2 and s["failed"] == 6
+    # A stream that keeps trickling tokens times out like one that never starts.
+    assert s["errors"] == {"http": 2, "timeout": 2, "cut": 1, "empty": 1}
     ok = [r for r in report.results if r.ok]
     assert all(r.completion_tokens == 5 and r.ttft_s > 0 and len(r.itl_s) == 4 for r in ok)
     # Failed requests never reach the latency figures: they are the ok ones' alone.
@@ -56,18 +68,55 @@ def test_failures_are_counted_by_kind_and_kept_out_of_latencies(flaky_url: str) 
     assert report.results[0].text == "t1.0 t1.1 t1.2 t1.3 t1.4 "
 
 
+def _bodies(url: str) -> list[dict]:
+    return httpx.get(url + "/requests", timeout=5).json()
+
+
 def test_multi_turn_sessions_carry_the_real_answers(flaky_url: str) -> None:
     sessions = [Session(["hello ok", "again ok", "third ok"], system="be brief")]
+    seen = len(_bodies(flaky_url))
     report = run(sessions, BenchOptions(url=flaky_url, max_tokens=8))
     texts = [r.text for r in report.results]
     # The server numbers its answer by how many user turns it was sent.
     assert [t.split(".")[0] for t in texts] == ["t1", "t2", "t3"]
     assert [r.prompt_tokens for r in report.results] == [10, 20, 30]
+    assert [r.cached_tokens for r in report.results] == [4, 8, 12]
+    # What went over the wire: each turn carries the system prompt, the
+    # earlier questions and the server's own answers to them, in order.
+    sent = _bodies(flaky_url)[seen:]
+    assert len(sent) == 3  # no warm-up request unless asked
+    assert sent[2]["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello ok"}, {"role": "assistant", "content": texts[0]},
+        {"role": "user", "content": "again ok"}, {"role": "assistant", "content": texts[1]},
+        {"role": "user", "content": "third ok"}]
 
 
-def test_a_failed_turn_ends_its_session(flaky_url: str) -> None:
-    report = run([Session(["a ok", "b error", "c ok"])], BenchOptions(url=flaky_url))
-    assert [(r.turn, r.ok) for r in report.results] == [(0, True), (1, False)]
+def test_sampling_options_go_into_every_request(flaky_url: str) -> None:
+    seen = len(_bodies(flaky_url))
+    run([Session(["a ok"]), Session(["b ok"])],
+        BenchOptions(url=flaky_url, max_tokens=7, temperature=0.5, ignore_eos=True, warmup=1))
+    sent = _bodies(flaky_url)[seen:]
+    assert len(sent) == 3 and sent[0]["messages"][-1]["content"] == "warm-up 0"
+    for body in sent:
+        assert body["max_tokens"] == 7 and body["temperature"] == 0.5 and body["ignore_eos"] is True
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    seen += 3
+    run([Session(["c ok"])], BenchOptions(url=flaky_url))
+    (body,) = _bodies(flaky_url)[seen:]
+    assert "ignore_eos" not in body and body["temperature"] == 0.0
+
+
+def test_a_failed_turn_ends_its_session_and_the_rest_count_as_skipped(flaky_url: str) -> None:
+    report = run([Session(["a ok", "b error", "c ok", "d ok"])], BenchOptions(url=flaky_url))
+    assert [(r.turn, r.ok, r.error_kind) for r in report.results] == [
+        (0, True, ""), (1, False, "http"), (2, False, "skipped"), (3, False, "skipped")]
+    assert report.summary["requests"] == 4 and report.summary["errors"] == {"http": 1, "skipped": 2}
+
+
+def test_an_unreachable_server_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="--url"):
+        run([Session(["a ok"])], BenchOptions(url="http://127.0.0.1:9"))
 
 
 def test_hit_rates_come_from_metrics_deltas(flaky_url: str) -> None:
@@ -79,12 +128,49 @@ def test_hit_rates_come_from_metrics_deltas(flaky_url: str) -> None:
     assert report.hits.by_source["host"] == 100
 
 
-def test_request_rate_spaces_session_starts(flaky_url: str) -> None:
-    report = run([Session([f"q{i} ok"]) for i in range(4)],
-                 BenchOptions(url=flaky_url, concurrency=4, request_rate=20, arrival="fixed"))
-    starts = sorted(r.start_s for r in report.results)
-    # Fixed arrivals at 20/s: the 4th request starts no earlier than 150 ms in.
-    assert starts[3] >= 0.15
+def test_arrival_schedules() -> None:
+    assert arrival_schedule(4, 20, Arrival.FIXED) == pytest.approx([0, 0.05, 0.10, 0.15])
+    assert arrival_schedule(3, 0, Arrival.POISSON) == [0, 0, 0]
+    poisson = arrival_schedule(4001, 10, Arrival.POISSON, seed=1)
+    gaps = [b - a for a, b in itertools.pairwise(poisson)]
+    # Exponential gaps: mean 1/rate, standard deviation 1/rate as well.
+    mean = sum(gaps) / len(gaps)
+    std = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert mean == pytest.approx(0.1, rel=0.05) and std == pytest.approx(0.1, rel=0.08)
+    assert arrival_schedule(50, 10, Arrival.POISSON, seed=1) == poisson[:50]
+    assert arrival_schedule(50, 10, Arrival.POISSON, seed=2) != poisson[:50]
+
+
+@pytest.mark.parametrize("arrival", ["fixed", "poisson"])
+def test_no_session_starts_before_its_arrival(flaky_url: str, arrival: str) -> None:
+    opts = BenchOptions(url=flaky_url, concurrency=4, request_rate=20, arrival=arrival, seed=5)
+    report = run([Session([f"q{i} ok"]) for i in range(4)], opts)
+    due = arrival_schedule(4, 20, Arrival(arrival), seed=5)
+    assert sorted(r.session for r in report.results) == [0, 1, 2, 3]
+    assert all(r.start_s >= due[r.session] for r in report.results)
+
+
+def test_summary_figures() -> None:
+    def ok(i: int, ttft: float, e2e: float, out: int) -> Result:
+        return Result(i, 0, True, ttft_s=ttft, e2e_s=e2e, tpot_s=(e2e - ttft) / (out - 1) if out > 1 else 0.0,
+                      itl_s=[0.01] * (out - 1), prompt_tokens=100, completion_tokens=out, cached_tokens=40)
+
+    results = [ok(i, 0.1 * (i + 1), 0.1 * (i + 1) + 0.9, 10) for i in range(10)]
+    results.append(ok(10, 5.0, 5.0, 1))  # one output token: no TPOT
+    results.append(Result(11, 0, False, "http", ttft_s=99.0, e2e_s=99.0, completion_tokens=50))
+    s = summarize(results, duration_s=2.0)
+    assert (s["requests"], s["succeeded"], s["failed"]) == (12, 11, 1)
+    ttfts = [0.1 * (i + 1) for i in range(10)] + [5.0]
+    assert s["ttft_s"]["mean"] == pytest.approx(sum(ttfts) / 11)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.6)
+    assert s["ttft_s"]["p90"] == pytest.approx(1.0)
+    assert s["ttft_s"]["p99"] == pytest.approx(1.0 + 0.9 * 4.0)
+    assert s["tpot_s"]["mean"] == pytest.approx(0.1) and s["tpot_s"]["p99"] == pytest.approx(0.1)
+    assert s["itl_s"]["p50"] == pytest.approx(0.01)
+    assert (s["prompt_tokens"], s["completion_tokens"], s["cached_tokens"]) == (1100, 101, 440)
+    assert s["request_throughput"] == pytest.approx(5.5)
+    assert s["output_throughput"] == pytest.approx(50.5)
+    assert s["total_throughput"] == pytest.approx(600.5)
 
 
 def test_reports_are_written(flaky_url: str, tmp_path: Path) -> None:

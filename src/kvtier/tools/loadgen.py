@@ -56,7 +56,7 @@ class Result:
     session: int
     turn: int
     ok: bool
-    error_kind: str = ""  # http, timeout, cut, empty, connect
+    error_kind: str = ""  # http, timeout, cut, empty, connect, skipped
     error: str = ""
     start_s: float = 0.0  # since the run's start
     ttft_s: float = 0.0
@@ -167,7 +167,10 @@ async def _stream_one(client: httpx.AsyncClient, opts: BenchOptions, model: str,
     last = t0
     done = False
     try:
-        async with client.stream("POST", url, json=body, timeout=opts.timeout_s) as r:
+        # The limit covers the whole request: a server that trickles tokens
+        # forever times out as surely as one that never answers.
+        async with asyncio.timeout(opts.timeout_s), client.stream("POST", url, json=body,
+                                                                   timeout=opts.timeout_s) as r:
             if r.status_code != 200:
                 await r.aread()
                 res.error_kind, res.error = "http", f"HTTP {r.status_code}: {r.text[:200]}"
@@ -184,7 +187,7 @@ async def _stream_one(client: httpx.AsyncClient, opts: BenchOptions, model: str,
                     res.error_kind, res.error = "http", str(chunk["error"])[:200]
                     return
                 last = absorb_chunk(res, chunk, t0, last)
-    except httpx.TimeoutException as err:
+    except (httpx.TimeoutException, TimeoutError) as err:
         res.error_kind, res.error = "timeout", f"{type(err).__name__} after {opts.timeout_s}s"
         return
     except httpx.ConnectError as err:
@@ -207,9 +210,31 @@ async def _stream_one(client: httpx.AsyncClient, opts: BenchOptions, model: str,
 async def _resolve_model(client: httpx.AsyncClient, opts: BenchOptions) -> str:
     if opts.model:
         return opts.model
-    r = await client.get(opts.url + "/v1/models", timeout=30)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    try:
+        r = await client.get(opts.url + "/v1/models", timeout=30)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except httpx.HTTPError as err:
+        raise ConfigError("--url", opts.url, f"cannot list the served models at /v1/models: {err}") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ConfigError("--url", opts.url, "/v1/models names no model; give --served-model") from None
+
+
+def arrival_schedule(n: int, rate: float, arrival: Arrival, seed: int = 0) -> list[float]:
+    """Start times (seconds from the run's start) of ``n`` sessions.
+
+    ``rate`` 0 starts them all at once (the workers set the pace); otherwise
+    gaps are exponential with mean 1/rate (Poisson arrivals) or exactly
+    1/rate (fixed), seeded so runs repeat.
+    """
+    rng = random.Random(seed)
+    starts: list[float] = []
+    t = 0.0
+    for _ in range(n):
+        starts.append(t)
+        if rate > 0:
+            t += rng.expovariate(rate) if arrival is Arrival.POISSON else 1.0 / rate
+    return starts
 
 
 async def scrape_async(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
@@ -229,13 +254,7 @@ async def run_async(sessions: list[Session], opts: BenchOptions,
         for i in range(opts.warmup):
             await _stream_one(client, opts, model, [{"role": "user", "content": f"warm-up {i}"}], Result(-1, 0, False))
         before = await scrape_async(client, opts.url)
-        rng = random.Random(opts.seed)
-        starts: list[float] = []
-        t = 0.0
-        for _ in sessions:
-            starts.append(t)
-            if opts.request_rate > 0:
-                t += rng.expovariate(opts.request_rate) if opts.arrival is Arrival.POISSON else 1.0 / opts.request_rate
+        starts = arrival_schedule(len(sessions), opts.request_rate, opts.arrival, opts.seed)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(len(sessions)):
             queue.put_nowait(i)
@@ -261,7 +280,15 @@ async def run_async(sessions: list[Session], opts: BenchOptions,
                     if progress:
                         progress(res)
                     if not res.ok:
-                        break  # later turns would carry a history the server never answered
+                        # Later turns would carry a history the server never
+                        # answered: they are not sent, and counted as skipped.
+                        for later in range(turn + 1, len(s.turns)):
+                            skipped = Result(idx, later, False, "skipped", f"turn {turn} of the session failed",
+                                             start_s=time.perf_counter() - t0)
+                            results.append(skipped)
+                            if progress:
+                                progress(skipped)
+                        break
                     history.append({"role": "assistant", "content": res.text})
 
         await asyncio.gather(*(worker() for _ in range(min(opts.concurrency, len(sessions)) or 1)))
