@@ -130,3 +130,11 @@ def test_bad_config_stops_startup_with_one_clear_line(tiny_model, tmp_path):
         srv.start()
     srv.stop()
     assert "kv_connector_extra_config: colour = 'blue': unknown key" in srv.log_text()
+
+    # A path the SSD tier refuses when it opens (here a directory) is one line too.
+    opts = server_options(tiny_model, {"dram_size": "64MB", "ssd_path": str(tmp_path)})
+    srv = VllmServer(opts, log_path=tmp_path / "bad3.log", startup_timeout_s=240)
+    with pytest.raises(ServerError):
+        srv.start()
+    srv.stop()
+    assert f"kvtier config error: ssd_path = '{tmp_path}': not a regular file or block device" in srv.log_text()

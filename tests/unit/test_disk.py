@@ -97,13 +97,23 @@ def test_loop_device_prepare_check_use_release(tmp_path: Path) -> None:
         rep = check(dev, bench_bytes=2 * MiB)
         assert rep.ok, rep.problems
         assert rep.kind == "loop device" and rep.size_bytes == 16 * MiB
-        # The SSD tier accepts it, and holds it exclusively while open.
+        # The file under the device is taken: the tier refuses it, and so
+        # does release.
+        with pytest.raises(ConfigError, match=f"backs loop device {dev}"):
+            SsdTier.open([backing], None, 4096)
+        assert not check(backing, bench_bytes=0).exclusive
+        with pytest.raises(ConfigError, match="in use"):
+            release(backing, delete=True)
+        assert os.path.exists(backing)
+        # The SSD tier accepts the device, and holds it exclusively while open.
         tier, recovered = SsdTier.open([dev], None, 4096)
         try:
             assert recovered == [] and tier.num_slots > 0
             with pytest.raises(ConfigError, match="busy|held"):
                 SsdTier.open([dev], None, 4096)
             assert not check(dev, bench_bytes=0).exclusive
+            with pytest.raises(ConfigError, match="in use"):
+                release(dev, delete=True)
         finally:
             tier.close()
         done = release(dev, delete=True)

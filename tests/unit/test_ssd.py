@@ -448,6 +448,32 @@ def test_mounted_block_device_is_refused_before_open() -> None:
     assert "mounted" in str(info.value)
 
 
+def _fake_loop(sys_block: Path, name: str, backing: str | None) -> None:
+    (sys_block / name).mkdir(parents=True)
+    if backing is not None:
+        (sys_block / name / "loop").mkdir()
+        (sys_block / name / "loop" / "backing_file").write_text(backing + "\n")
+
+
+def test_a_file_backing_a_loop_device_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # /sys/block as the kernel shows it: loop0 detached, loop3 on our file.
+    path = tmp_path / "ssd.bin"
+    path.write_bytes(b"\0" * (1 << 20))
+    sys_block = tmp_path / "sys-block"
+    _fake_loop(sys_block, "loop0", None)
+    _fake_loop(sys_block, "loop3", str(path))
+    _fake_loop(sys_block, "sda", None)
+    monkeypatch.setattr(ssd_module, "SYS_BLOCK", str(sys_block))
+    assert ssd_module.loop_devices_backed_by(str(path)) == ["/dev/loop3"]
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([str(path)], None, SLOT, io=NoOpenIo())
+    assert (info.value.key, info.value.value) == ("ssd_path", str(path))
+    assert "backs loop device /dev/loop3" in str(info.value)
+    (sys_block / "loop3" / "loop" / "backing_file").write_text(str(tmp_path / "other.bin") + "\n")
+    tier, _ = SsdTier.open([str(path)], None, SLOT)
+    tier.close()
+
+
 def test_disk_with_a_mounted_partition_is_refused_before_open() -> None:
     dev = os.stat("/").st_dev
     disk = ssd_module._whole_disk_of(dev)

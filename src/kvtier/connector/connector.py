@@ -172,17 +172,19 @@ class KvtierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         try:
             cfg = parse_connector_config(extra, check_memory=role == KVConnectorRole.SCHEDULER)
+            # Opening the tiers can refuse a path (mounted, held, no direct
+            # I/O): that is a configuration error too, shown as one line.
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = build_scheduler_side(vllm_config, kv_cache_config, cfg)
+            else:
+                self._worker = build_worker_side(vllm_config, kv_cache_config, cfg)
         except ConfigError as err:
             log.error("%s", err)
             raise
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = build_scheduler_side(vllm_config, kv_cache_config, cfg)
-        else:
-            self._worker = build_worker_side(vllm_config, kv_cache_config, cfg)
 
     @property
     def requires_kv_delivery(self) -> bool:

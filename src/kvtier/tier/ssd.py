@@ -137,8 +137,37 @@ def _whole_disk_of(rdev: int) -> int | None:
     return None
 
 
+SYS_BLOCK = "/sys/block"
+
+
+def loop_devices_backed_by(path: str) -> list[str]:
+    """Loop devices (``/dev/loopN``) whose backing file is ``path``."""
+    target = os.path.realpath(path)
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(SYS_BLOCK) if n.startswith("loop"))
+    except OSError:
+        return []
+    for name in names:
+        try:
+            with open(os.path.join(SYS_BLOCK, name, "loop", "backing_file")) as f:
+                backing = f.read().strip()
+        except OSError:
+            continue  # not attached
+        if backing.removesuffix(" (deleted)") == target:
+            out.append(f"/dev/{name}")
+    return out
+
+
 def check_exclusive(path: str, st: os.stat_result) -> None:
-    """Refuse a block device with a mount point on it or on one of its partitions."""
+    """Refuse a block device with a mount point on it or on one of its
+    partitions, and a regular file that backs a loop device (whoever uses
+    the device writes the same bytes)."""
+    if stat.S_ISREG(st.st_mode):
+        loops = loop_devices_backed_by(path)
+        if loops:
+            raise ConfigError("ssd_path", path, f"backs loop device {', '.join(loops)}: use the device or detach it")
+        return
     if not stat.S_ISBLK(st.st_mode):
         return
     mounts = mounted_devices()
@@ -252,6 +281,8 @@ class SsdTier:
             check_exclusive(path, st)
             flags = os.O_RDWR | os.O_DIRECT | os.O_EXCL  # O_EXCL: EBUSY if mounted or held
         elif st is None or stat.S_ISREG(st.st_mode):
+            if st is not None:
+                check_exclusive(path, st)
             if st is None:
                 if not size_bytes:
                     raise ConfigError("ssd_path", path, "does not exist and no ssd_size was given to create it")
