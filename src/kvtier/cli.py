@@ -231,8 +231,9 @@ def _size(args: argparse.Namespace) -> int:
     gib = 1 << 30
     print(f"KV per token: {kv.bytes_per_token:,.0f} bytes per device, {kv.instance_bytes_per_token:,.0f} "
           f"for the instance ({kv.source})")
-    print(f"per 1k tokens: {kv.gib_per_1k_tokens:.4f} GiB per device, "
-          f"{kv.gib_per_1k_tokens * kv.devices:.4f} GiB for the instance")
+    print(f"per 1k tokens: {kv.gb_per_1k_tokens:.4f} GB ({kv.gib_per_1k_tokens:.4f} GiB) per device, "
+          f"{kv.gb_per_1k_tokens * kv.devices:.4f} GB ({kv.gib_per_1k_tokens * kv.devices:.4f} GiB) "
+          f"for the instance")
     if args.concurrency and args.mean_tokens:
         need = sizing.workload_bytes_per_device(kv, args.concurrency, args.mean_tokens)
         print(f"workload: {args.concurrency} concurrent x {args.mean_tokens:g} tokens x {sizing.HEADROOM} headroom "

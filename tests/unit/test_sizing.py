@@ -59,8 +59,32 @@ def test_bytes_per_token_from_vllm_log_lines() -> None:
     assert kv.gib_per_1k_tokens == pytest.approx(0.0114, abs=1e-4)
     with pytest.raises(ConfigError, match="Available KV cache memory"):
         sizing.from_log("GPU KV cache size: 10 tokens")
+    with pytest.raises(ConfigError, match="--devices"):
+        sizing.from_log(log, devices=0)
     with pytest.raises(ConfigError, match="KV cache size"):
         sizing.from_log("Available KV cache memory: 1 GiB")
+
+
+def test_both_log_formats_of_the_field_give_the_same_model_size() -> None:
+    # Two deployments of one model: 4 devices logging "Available KV cache
+    # memory" in GiB, and 2 devices in an older build logging bytes. Both
+    # come to about 0.26 GB per 1k tokens for the instance.
+    four = sizing.from_log("Available KV cache memory: 9.21 GiB\nGPU KV cache size: 150,800 tokens\n", devices=4)
+    two = sizing.from_log("Available memory: 36408063180,\nGPU KV cache size: 277,760 tokens\n", devices=2)
+    assert two.bytes_per_token == pytest.approx(36408063180 / 277760)
+    assert four.gb_per_1k_tokens * 4 == pytest.approx(0.2623, abs=1e-3)
+    assert two.gb_per_1k_tokens * 2 == pytest.approx(0.2622, abs=1e-3)
+    # Log formats are not confused with vLLM CPU's node memory warning.
+    with pytest.raises(ConfigError):
+        sizing.from_log("Available memory on node 0 (12 GiB) is less than desired\nKV cache size: 10 tokens")
+
+
+def test_a_log_of_several_starts_counts_the_last() -> None:
+    log = ("Available KV cache memory: 1.00 GiB\nAvailable KV cache memory: 1.00 GiB\n"
+           "GPU KV cache size: 1,000 tokens\n...restart...\n"
+           "Available KV cache memory: 2.00 GiB\nGPU KV cache size: 4,000 tokens\n")
+    kv = sizing.from_log(log)
+    assert kv.devices == 1 and kv.bytes_per_token == pytest.approx(2 * (1 << 30) / 4000)
 
 
 def test_workload_host_memory_and_huge_pages(tmp_path: Path) -> None:
@@ -81,4 +105,17 @@ def test_cli_size(tmp_path: Path, capsys) -> None:
     assert "131,072 bytes per device" in out
     assert "= 0.73 GiB per device" in out  # 4 x 1000 x 1.5 x 128 KiB
     assert "2 device(s) x (1.0 GiB DRAM tier + 1.0 GiB SSD staging) = 4.0 GiB" in out
+    page = sizing.hugepage_size_bytes()
+    assert f"huge pages: {-(-(4 << 30) // page)} of {page >> 10} kB" in out
     assert cli_main(["size"]) == 2
+
+
+def test_cli_size_from_a_log(tmp_path: Path, capsys) -> None:
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO Available KV cache memory: 9.21 GiB\nINFO GPU KV cache size: 150,800 tokens\n")
+    assert cli_main(["size", "--log", str(log), "--devices", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "4 device(s)" in out
+    assert "per 1k tokens: 0.0656 GB (0.0611 GiB) per device, 0.2623 GB (0.2443 GiB) for the instance" in out
+    assert cli_main(["size", "--log", str(tmp_path / "missing.log")]) == 2
+    assert "--log" in capsys.readouterr().err

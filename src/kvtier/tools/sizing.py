@@ -78,27 +78,41 @@ def from_model_dir(model_dir: str, dtype: str | None = None, tp: int = 1) -> KvS
                       f"{_DTYPE_BYTES[name]} bytes ({name}, TP {tp})", tp)
 
 
-_AVAIL = re.compile(r"Available KV cache memory:\s*([\d.]+)\s*(GiB|GB|MiB|MB)")
+# "Available KV cache memory: 13.88 GiB" (per device), or in older builds
+# "Available memory: 36408063180," (bytes); then "GPU KV cache size: 1,217,457 tokens".
+_AVAIL = re.compile(r"Available (?:KV cache )?memory:\s*(\d[\d,]*(?:\.\d+)?)\s*(GiB|GB|MiB|MB|KiB|kB|KB)?")
 _TOKENS = re.compile(r"(?:GPU|CPU|Device)?\s*KV cache size:\s*([\d,]+)\s*tokens")
-_UNITS = {"GiB": 1 << 30, "GB": 1e9, "MiB": 1 << 20, "MB": 1e6}
+_UNITS = {"GiB": 1 << 30, "GB": 1e9, "MiB": 1 << 20, "MB": 1e6, "KiB": 1024, "kB": 1000, "KB": 1000, "": 1}
 
 
 def from_log(text: str, devices: int | None = None) -> KvShape:
-    """From vLLM's log: "Available KV cache memory" (per device, once per
-    device) over "KV cache size: N tokens" (the instance's capacity). Each
-    device holds a share of every token: memory / N bytes per token per
-    device, devices x memory / N for the instance.
+    """From vLLM's log: "Available KV cache memory" (per device) over "KV
+    cache size: N tokens" (the instance's capacity). Each device holds a
+    share of every token: memory / N bytes per token per device, devices x
+    memory / N for the instance.
+
+    A log may hold several starts: the last "KV cache size" line and the
+    memory lines just before it count. Without ``devices``, the device
+    count is the number of those memory lines; vLLM often logs only the
+    first worker's, so give ``devices`` (``--devices``) for a multi-device
+    instance.
     """
-    mems = [float(v) * _UNITS[u] for v, u in _AVAIL.findall(text)]
-    toks = [int(v.replace(",", "")) for v in _TOKENS.findall(text)]
-    if not mems:
-        raise ConfigError("--log", "", "no 'Available KV cache memory: X GiB' line found")
+    toks = list(_TOKENS.finditer(text))
     if not toks:
         raise ConfigError("--log", "", "no 'KV cache size: N tokens' line found")
+    last = toks[-1]
+    start = toks[-2].end() if len(toks) > 1 else 0
+    mems = [float(v.replace(",", "")) * _UNITS[u] for v, u in _AVAIL.findall(text, start, last.start())]
+    if not mems:
+        raise ConfigError("--log", "", "no 'Available KV cache memory: X GiB' line before the last "
+                                       "'KV cache size' line")
+    if devices is not None and devices < 1:
+        raise ConfigError("--devices", devices, "must be at least 1")
     n_dev = devices or len(mems)
     mem = sum(mems) / len(mems)
-    return KvShape(mem / toks[-1], f"vLLM log: {mem / (1 << 30):.2f} GiB per device, {toks[-1]:,} tokens, "
-                                   f"{n_dev} device(s)", n_dev)
+    tokens = int(last.group(1).replace(",", ""))
+    return KvShape(mem / tokens, f"vLLM log: {mem / (1 << 30):.2f} GiB per device, {tokens:,} tokens, "
+                                 f"{n_dev} device(s)", n_dev)
 
 
 def workload_bytes_per_device(kv: KvShape, concurrency: int, mean_tokens: float) -> float:
