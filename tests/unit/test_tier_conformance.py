@@ -56,26 +56,30 @@ class DramAdapter:
 
 
 class SsdAdapter:
-    """put = write through an aligned buffer; get = read with the record an
-    index would hold for the slot. The index is the adapter's dict, as the
-    store's is for the real tier: it is what says which key a slot holds."""
+    """put = write through an aligned buffer; get = restart the tier and read
+    the slot with the record that recovery found in its header. On SSD the
+    headers on disk are the index (the store keeps them in memory while it
+    runs), so what a slot holds is what a restart says it holds."""
 
-    def __init__(self, tier: SsdTier) -> None:
-        self.tier = tier
-        self.num_slots = tier.num_slots
-        self._locs = tier.locations()
-        self._index: dict[int, BlockRecord] = {}
+    def __init__(self, reopen) -> None:
+        self._reopen = reopen
+        self.tier, _ = reopen()
+        self.num_slots = self.tier.num_slots
+        self._locs = self.tier.locations()
+        self._written: set[int] = set()
         self._buf = mmap.mmap(-1, SLOT)  # page aligned: an O_DIRECT buffer
 
     def put(self, slot: int, key: bytes, data: bytes) -> None:
         self._buf[:] = data
         rec = BlockRecord(key, self.tier.next_seq(), xxhash.xxh3_64_intdigest(data), 1, ())
-        reused = [self._locs[slot]] if slot in self._index else []
+        reused = [self._locs[slot]] if slot in self._written else []
         self.tier.write([(self._locs[slot], rec, memoryview(self._buf))], reused)
-        self._index[slot] = rec
+        self._written.add(slot)
 
     def get(self, slot: int, key: bytes) -> bytes | None:
-        rec = self._index.get(slot)
+        self.tier.close()
+        self.tier, recovered = self._reopen()
+        rec = dict(recovered).get(self._locs[slot])
         if rec is None or rec.key != key:
             return None
         self._buf[:] = bytes(SLOT)  # nothing left over from a put
@@ -100,7 +104,9 @@ def tier(request, make_tier, capacity_for, make_ssd) -> Iterator[Adapter]:
     if request.param == "dram":
         yield DramAdapter(make_tier(capacity_for(SLOTS, SLOT), SLOT))
     else:
-        yield SsdAdapter(make_ssd(SLOTS // 2, SLOT, num_paths=2)[0])
+        adapter = SsdAdapter(lambda: make_ssd(SLOTS // 2, SLOT, num_paths=2))
+        yield adapter
+        adapter.tier.close()
 
 
 def test_geometry(tier: Adapter) -> None:
