@@ -218,7 +218,37 @@ def test_cli_convert(raw: Path, tmp_path: Path, capsys) -> None:
     assert len(json.loads(out.read_text())) == 5
 
 
+def test_cli_convert_passes_every_option(raw: Path, tmp_path: Path, capsys) -> None:
+    second = write_raw(tmp_path / "raw2.jsonl", [{"context": "F", "input": "f?", "length": 100}])
+    out = tmp_path / "qa.jsonl"
+    common = ["dataset", "convert", "--input", str(raw), str(second), "--output", str(out), "--top-n", "7",
+              "--min-length", "60", "--max-length", "400", "--repeat", "2", "--source-fields", "context", "input"]
+    # In length 60..400: A, D, E of raw.jsonl and F of raw2.jsonl. The first 7 lines (all-lines) hold A, D, E.
+    assert cli_main(common + ["--count-mode", "all-lines"]) == 0
+    assert qa(out) == ["Aa?", "Dd?", "E", "E", "Dd?", "Aa?"]
+    text = capsys.readouterr().out
+    assert "2 malformed" in text and "outside length 60..400" in text and "wrote 6 QA records" in text
+    assert cli_main(common + ["--no-alternate-order"]) == 0  # valid-only: the first 7 valid records
+    assert qa(out) == ["Aa?", "Dd?", "E", "Ff?"] * 2
+    assert cli_main(["dataset", "convert", "--input", str(tmp_path / "missing.jsonl"), "--output", str(out)]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+
+
 # --- real text -------------------------------------------------------------------------
+
+
+def test_cli_longdoc_and_sharegpt(model_cache_dir, tmp_path: Path, capsys) -> None:
+    model = str(build_model("tiny", cache_dir=model_cache_dir))
+    docs = tmp_path / "docs.jsonl"
+    assert cli_main(["dataset", "longdoc", "--output", str(docs), "--count", "2", "--min-words", "100",
+                     "--tokenizer", model, "--max-tokens", "500"]) == 0
+    recs = [json.loads(line) for line in docs.read_text().splitlines()]
+    assert len(recs) == 2 and all(r["source"].startswith("pydoc:") and r["tokens"] <= 502 for r in recs)
+    chat = tmp_path / "chat.json"
+    assert cli_main(["dataset", "sharegpt", "--output", str(chat), "--count", "3", "--min-turns", "2"]) == 0
+    convs = json.loads(chat.read_text())
+    assert len(convs) == 3 and all(sum(m["from"] == "human" for m in c["conversations"]) >= 2 for c in convs)
+    assert "ShareGPT V3" in capsys.readouterr().out
 
 
 def test_longdoc_records_are_real_long_text(model_cache_dir) -> None:

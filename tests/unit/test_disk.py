@@ -123,3 +123,30 @@ def test_loop_device_prepare_check_use_release(tmp_path: Path) -> None:
     finally:
         if dev:
             subprocess.run(["losetup", "-d", dev], check=False)
+
+
+def test_cli_prepare_check_release(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from kvtier.cli import main as cli_main
+
+    path = str(tmp_path / "ssd.img")
+    assert cli_main(["disk", "prepare", path, "--size", "8MiB"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == path and os.path.getsize(path) == 8 * MiB
+    assert f'"ssd_path": "{path}"' in err and f"ubsio.disk.path = {path}" in err
+    assert cli_main(["disk", "prepare", path, "--size", "8MiB"]) == 2  # exists: --force to reuse
+    capsys.readouterr()
+    assert cli_main(["disk", "check", path, "--bench-size", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: OK" in out and "exclusive   yes" in out and "direct I/O  yes" in out and "read " in out
+    tier, _ = SsdTier.open([path], None, 4096)
+    try:
+        assert cli_main(["disk", "check", path, "--no-bench"]) == 1
+        assert "NOT USABLE" in capsys.readouterr().out
+        assert cli_main(["disk", "release", path, "--delete"]) == 2
+        assert "in use" in capsys.readouterr().err and os.path.exists(path)
+    finally:
+        tier.close()
+    assert cli_main(["disk", "release", path, "--delete"]) == 0
+    assert f"deleted {path}" in capsys.readouterr().out and not os.path.exists(path)
+    assert cli_main(["disk", "prepare", path, "--size", "lots"]) == 2
+    assert "--size" in capsys.readouterr().err
