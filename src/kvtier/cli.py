@@ -139,9 +139,11 @@ def _bench_compare(args: argparse.Namespace) -> int:
         log_path = os.path.join(args.output, f"server-{name}.log") if args.output else None
         if args.output:
             os.makedirs(args.output, exist_ok=True)
-        print(f"starting vLLM ({names[name]}) ...")
-        with VllmServer(opts, log_path=log_path) as srv:
+        srv = VllmServer(opts, log_path=log_path)
+        print(f"starting vLLM ({names[name]}) on port {srv.port} ...")
+        with srv:
             reports.append(_run_with_progress(sessions, _bench_options(args, srv.url, names[name])))
+        print(f"stopped vLLM ({names[name]}) on port {srv.port}")
     _print_reports(reports, args.output, not args.no_plots)
     return 0 if all(r.summary["failed"] == 0 for r in reports) else 1
 

@@ -49,7 +49,9 @@ class KvtierStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in COUNTERS)
+        # vLLM drops the scheduler's stats when they are empty: a report that
+        # carries only gauges (tier usage changed, no event) must get through.
+        return not any(self.data.get(k) for k in COUNTERS) and not any(k in self.data for k in GAUGES)
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
