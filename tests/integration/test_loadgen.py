@@ -189,10 +189,17 @@ def test_cli_bench_run(flaky_url: str, tmp_path: Path, capsys: pytest.CaptureFix
     ds = tmp_path / "qa.jsonl"
     ds.write_text("\n".join(json.dumps({"question": f"q{i} ok", "answer": ""}) for i in range(3)) + "\n")
     rc = cli_main(["bench", "run", "--url", flaky_url, "--dataset", str(ds), "--concurrency", "2",
-                   "--output", str(tmp_path / "out"), "--no-plots"])
+                   "--output", str(tmp_path / "out"), "--no-plots", "--label", "cfg"])
     assert rc == 0
-    assert "| requests (ok / failed) | 3 / 0 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| requests (ok / failed) | 3 / 0 |" in out
     assert (tmp_path / "out" / "results.json").exists()
+    assert out.splitlines()[0].startswith("cfg ") and " 3/3 " in out.splitlines()[0]  # the progress bar, done
+    # A failing request is counted on the bar and makes the exit status 1.
+    ds.write_text(json.dumps({"question": "q error"}) + "\n" + json.dumps({"question": "q ok"}) + "\n")
+    assert cli_main(["bench", "run", "--url", flaky_url, "--dataset", str(ds), "--no-plots"]) == 1
+    bar = capsys.readouterr().out.splitlines()[0]
+    assert " 2/2 " in bar and "failed 1" in bar
 
 
 def test_workloads_load_and_bad_files_are_named(tmp_path: Path) -> None:
@@ -206,6 +213,13 @@ def test_workloads_load_and_bad_files_are_named(tmp_path: Path) -> None:
         load_workload(str(bad))
     with pytest.raises(ConfigError, match="no such file"):
         load_workload(str(tmp_path / "missing.jsonl"))
+
+
+def test_stats_live_view_refreshes_and_reports_the_last_interval(flaky_url: str,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["stats", "--url", flaky_url, "--interval", "0.05", "--count", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "whole run" in out and "last interval" in out and "h_all" in out
 
 
 def test_stats_once_shows_hit_rates_and_tiers(flaky_url: str, capsys: pytest.CaptureFixture) -> None:
