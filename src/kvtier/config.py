@@ -179,6 +179,9 @@ _CONNECTOR_KEYS: dict[str, tuple[str, Callable[[str, object, str], object]]] = {
     "promote_timeout_s": ("promote_timeout_s", parse_seconds),
 }
 
+# The names the seeds' config files use, accepted as written there.
+_ALIASES = {"rewarm.dram_watermark": "rewarm_dram_watermark"}
+
 _SOURCE = "kv_connector_extra_config"
 
 
@@ -189,11 +192,16 @@ def parse_connector_config(extra: Mapping[str, object] | None, *, check_memory: 
     ``shm_dir`` or the host's available memory, before anything is allocated.
     """
     values: dict[str, object] = {}
+    given: dict[str, str] = {}  # field -> the key that set it
     for key, raw in (extra or {}).items():
-        if key not in _CONNECTOR_KEYS:
+        name = _ALIASES.get(key, key)
+        if name not in _CONNECTOR_KEYS:
             known = ", ".join(sorted(_CONNECTOR_KEYS))
             raise ConfigError(key, raw, f"unknown key (known keys: {known})", _SOURCE)
-        field, parse = _CONNECTOR_KEYS[key]
+        field, parse = _CONNECTOR_KEYS[name]
+        if field in given:
+            raise ConfigError(key, raw, f"set twice: also given as {given[field]!r}", _SOURCE)
+        given[field] = key
         values[field] = parse(key, raw, _SOURCE)
     try:
         cfg = KvtierConfig(**values)  # type: ignore[arg-type]

@@ -151,3 +151,13 @@ def test_missing_shm_dir_refused_by_memory_check(tmp_path) -> None:
         parse_connector_config({"dram_size": "1MiB", "shm_dir": missing})
     assert info.value.key == "shm_dir"
     assert info.value.value == missing
+
+
+def test_the_seed_name_of_the_rewarm_watermark_is_accepted() -> None:
+    cfg = parse_connector_config({"ssd_path": "/tmp/x.img", "rewarm.dram_watermark": "97"}, check_memory=False)
+    assert cfg.rewarm_dram_watermark == 97
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config({"rewarm.dram_watermark": 97, "rewarm_dram_watermark": 96}, check_memory=False)
+    assert info.value.key == "rewarm_dram_watermark" and "set twice" in str(info.value)
+    with pytest.raises(ConfigError, match="rewarm.dram_watermark = 'high'"):
+        parse_connector_config({"rewarm.dram_watermark": "high"}, check_memory=False)

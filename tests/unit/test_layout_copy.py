@@ -142,9 +142,13 @@ def rank_slots(tier: DramTier, rank: int, layout: KvLayout) -> torch.Tensor:
     return slot_matrix(region, layout)
 
 
+# indexed=True: the accelerator path (one gather and one transfer per layer),
+# run here on CPU tensors; None: what a CPU tensor gets (memmove or copy_).
+@pytest.mark.parametrize("indexed", [None, True], ids=["cpu-path", "indexed-path"])
 @pytest.mark.parametrize("kind", [LayoutKind.CPU, LayoutKind.FLASH])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_round_trip_bit_exact(make_tier, capacity_for, kind: LayoutKind, dtype: torch.dtype) -> None:
+def test_round_trip_bit_exact(make_tier, capacity_for, kind: LayoutKind, dtype: torch.dtype,
+                              indexed: bool | None) -> None:
     kv = random_kv(kind, dtype, layers=3, seed=1)
     originals = {n: t.clone() for n, t in kv.items()}
     layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
@@ -156,7 +160,7 @@ def test_round_trip_bit_exact(make_tier, capacity_for, kind: LayoutKind, dtype: 
     assert slots.data_ptr() == tier.rank_view(0, rank).data_ptr()
 
     blocks, slot_ids = [1, 5, 6], [3, 0, 2]
-    gather_blocks(layers, layout, blocks, slots, slot_ids)
+    gather_blocks(layers, layout, blocks, slots, slot_ids, indexed=indexed)
 
     # Each layer's block sits at its offset in the rank's part of the slot.
     for b, s in zip(blocks, slot_ids):
@@ -175,28 +179,46 @@ def test_round_trip_bit_exact(make_tier, capacity_for, kind: LayoutKind, dtype: 
 
     for bm in layers:
         bm[blocks] = 0
-    scatter_blocks(layers, layout, blocks, slots, slot_ids)
+    scatter_blocks(layers, layout, blocks, slots, slot_ids, indexed=indexed)
     for n in kv:
         assert torch.equal(bits(kv[n]), bits(originals[n])), n
 
 
+@pytest.mark.parametrize("indexed", [None, True], ids=["cpu-path", "indexed-path"])
 @pytest.mark.parametrize("kind", [LayoutKind.CPU, LayoutKind.FLASH])
-def test_scatter_writes_only_its_blocks(make_tier, capacity_for, kind: LayoutKind) -> None:
+def test_scatter_writes_only_its_blocks(make_tier, capacity_for, kind: LayoutKind, indexed: bool | None) -> None:
     kv = random_kv(kind, torch.bfloat16, layers=3, seed=2)
     layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
     layers = [block_major(kv[n], kind) for n in layout.layer_names]
     tier = make_tier(capacity_for(4, layout.block_bytes), layout.block_bytes)
     slots = rank_slots(tier, 0, layout)
-    gather_blocks(layers, layout, [2, 3], slots, [0, 1])
+    gather_blocks(layers, layout, [2, 3], slots, [0, 1], indexed=indexed)
     before = {n: t.clone() for n, t in kv.items()}
     # Load slot 1 (block 3's contents) into block 7 and slot 0 into block 0.
-    scatter_blocks(layers, layout, [7, 0], slots, [1, 0])
+    scatter_blocks(layers, layout, [7, 0], slots, [1, 0], indexed=indexed)
     for n in layout.layer_names:
         after, prev = block_major(kv[n], kind), block_major(before[n], kind)
         assert torch.equal(bits(after[7]), bits(prev[3]))
         assert torch.equal(bits(after[0]), bits(prev[2]))
         for b in range(1, 7):
             assert torch.equal(bits(after[b]), bits(prev[b])), (n, b)
+
+
+def test_both_paths_write_the_same_bytes(make_tier, capacity_for) -> None:
+    # A block saved by one path is loaded by the other (a CPU process and
+    # an accelerator process never share a namespace, but one process may
+    # take either path): the slot bytes must not depend on the path.
+    for kind in (LayoutKind.CPU, LayoutKind.FLASH):
+        kv = random_kv(kind, torch.bfloat16, layers=2, seed=4)
+        layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
+        layers = [block_major(kv[n], kind) for n in layout.layer_names]
+        tier = make_tier(capacity_for(4, layout.block_bytes), layout.block_bytes)
+        slots = rank_slots(tier, 0, layout)
+        gather_blocks(layers, layout, [4, 2], slots, [0, 1], indexed=False)
+        gather_blocks(layers, layout, [4, 2], slots, [2, 3], indexed=True)
+        assert torch.equal(tier.rank_view(0), tier.rank_view(2))
+        assert torch.equal(tier.rank_view(1), tier.rank_view(3))
+        tier.close()
 
 
 def test_empty_block_lists_are_no_ops(make_tier, capacity_for) -> None:

@@ -40,16 +40,21 @@ def slot_matrix(rank_region: torch.Tensor, layout: KvLayout) -> torch.Tensor:
 
 
 def gather_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
-                  slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
+                  slots: torch.Tensor, slot_ids: Sequence[int], indexed: bool | None = None) -> None:
     """Copy blocks ``block_ids`` of every layer into ``slots[slot_ids]``.
 
-    ``layers`` are block-major views (dimension 0 indexes blocks).
+    ``layers`` are block-major views (dimension 0 indexes blocks). On CPU
+    each block is a memmove (or a ``copy_`` for non-contiguous blocks); on
+    an accelerator, or with ``indexed=True``, one gather and one transfer
+    per layer. Both write the same bytes.
     """
     if not block_ids:
         return
     dev = layers[0].device
     nbytes = layout.layer_block_bytes
-    if dev.type == "cpu":
+    if indexed is None:
+        indexed = dev.type != "cpu"
+    if not indexed:
         if _MEMMOVE and layers[0][0].is_contiguous():
             _memmove_blocks(layers, nbytes, block_ids, slots, slot_ids, to_slots=True)
             return
@@ -67,13 +72,15 @@ def gather_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: S
 
 
 def scatter_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
-                   slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
-    """Copy ``slots[slot_ids]`` into blocks ``block_ids`` of every layer."""
+                   slots: torch.Tensor, slot_ids: Sequence[int], indexed: bool | None = None) -> None:
+    """Copy ``slots[slot_ids]`` into blocks ``block_ids`` of every layer (paths as in :func:`gather_blocks`)."""
     if not block_ids:
         return
     dev = layers[0].device
     nbytes = layout.layer_block_bytes
-    if dev.type == "cpu":
+    if indexed is None:
+        indexed = dev.type != "cpu"
+    if not indexed:
         if _MEMMOVE and layers[0][0].is_contiguous():
             _memmove_blocks(layers, nbytes, block_ids, slots, slot_ids, to_slots=False)
             return
