@@ -18,7 +18,7 @@ import xxhash
 
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
-from kvtier.tier.ssd import BlockRecord, SsdTier
+from kvtier.tier.ssd import BlockRecord
 from tests.unit.conftest import PAGE, ssd_offsets
 
 SLOT = 3 * PAGE
