@@ -540,6 +540,10 @@ _CRASH_CHILD = textwrap.dedent("""
     assert io.calls == 0  # the files were formatted by the parent
     for i, batch in enumerate(plan["batches"]):
         print("begin", i, flush=True)
+        if batch["invalidate"]:
+            tier.invalidate([ssd.SsdLocation(p, s) for p, s in batch["invalidate"]])
+            print("done", i, flush=True)
+            continue
         items = []
         for p, s, key_hex, seq in batch["items"]:
             key = bytes.fromhex(key_hex)
@@ -552,7 +556,9 @@ _CRASH_CHILD = textwrap.dedent("""
 """)
 
 Loc = tuple[int, int]
-Batch = tuple[dict[Loc, tuple[bytes, int]], list[Loc]]  # (location -> (key, seq)), reused
+# (location -> (key, seq)), reused; or ({}, locations) with RESET last: an invalidation.
+Batch = tuple[dict[Loc, tuple[bytes, int]], list[Loc]] | tuple[dict[Loc, tuple[bytes, int]], list[Loc], str]
+RESET = "invalidate"
 
 CRASH_PER_PATH = 6
 # Written by the parent before each child: K(0..7) over both paths, seq 1..8.
@@ -572,9 +578,23 @@ _SEQUENCE: list[Batch] = [
 ]
 
 
+def _is_reset(batch: Batch) -> bool:
+    return len(batch) == 3 and batch[2] == RESET
+
+
+# An operator's reset in the middle: three blocks' headers emptied, then a
+# write that reuses one of those slots.
+_WITH_RESET: list[Batch] = [
+    ({}, [(0, 1), (1, 1), (0, 3)], RESET),
+    ({(1, 1): (_N[4], 9), (0, 5): (_N[0], 10)}, [(1, 1)]),
+]
+
+
 def _io_calls(batch: Batch) -> int:
     """pwritev and fdatasync calls of one batch in the documented order."""
-    blocks, reused = batch
+    if _is_reset(batch):
+        return len(batch[1]) + len({p for p, _ in batch[1]})
+    blocks, reused = batch[0], batch[1]
     paths = {p for p, _ in blocks}
     return len(reused) + len({p for p, _ in reused}) + 2 * (len(blocks) + len(paths))
 
@@ -584,8 +604,9 @@ def _run_crash_child(paths: list[str], batches: list[Batch], crash_at: int,
     plan = {
         "module": ssd_module.__file__, "paths": paths, "slot_bytes": SLOT,
         "crash_at": crash_at, "mode": mode,
-        "batches": [{"items": [[p, s, key.hex(), seq] for (p, s), (key, seq) in blocks.items()],
-                     "reused": [list(loc) for loc in reused]} for blocks, reused in batches],
+        "batches": [{"items": [[p, s, key.hex(), seq] for (p, s), (key, seq) in b[0].items()],
+                     "reused": [] if _is_reset(b) else [list(loc) for loc in b[1]],
+                     "invalidate": [list(loc) for loc in b[1]] if _is_reset(b) else []} for b in batches],
     }
     out = subprocess.run([sys.executable, "-c", _CRASH_CHILD, json.dumps(plan)], capture_output=True,
                          text=True, timeout=60)
@@ -596,7 +617,7 @@ def _run_crash_child(paths: list[str], batches: list[Batch], crash_at: int,
 def _check_after_crash(paths: list[str], batches: list[Batch],
                        log: list[str]) -> dict[Loc, tuple[bytes, int]]:
     """Reopen after the child died and check what recovery finds; returns it by location."""
-    every = [_SETUP] + [blocks for blocks, _ in batches]
+    every = [_SETUP] + [b[0] for b in batches]
     written = {(key, seq): loc for blocks in every for loc, (key, seq) in blocks.items()}
     begun = {int(line.split()[1]) for line in log if line.startswith("begin")}
     done = {int(line.split()[1]) for line in log if line.startswith("done")}
@@ -614,18 +635,27 @@ def _check_after_crash(paths: list[str], batches: list[Batch],
     finally:
         tier.close()
     # Durability: a block whose batch returned is there unless a batch that
-    # has begun since then writes to its slot.
+    # has begun since then writes to its slot (or empties it) ...
+    def touched_later(loc: Loc, i: int) -> bool:
+        return any(j > i and (loc in batches[j][0] or loc in batches[j][1]) for j in begun)
+
     finished = [(-1, _SETUP)] + [(i, batches[i][0]) for i in sorted(done)]
     for i, blocks in finished:
         for loc, block in blocks.items():
-            later = [j for j in begun if j > i and (loc in batches[j][0] or loc in batches[j][1])]
-            if not later:
+            if not touched_later(loc, i):
                 assert found.get(loc) == block, (loc, block, log)
+    # ... and a slot whose invalidation returned stays empty until written again.
+    for i in sorted(done):
+        if _is_reset(batches[i]):
+            for loc in batches[i][1]:
+                if not touched_later(loc, i):
+                    assert loc not in found, (loc, log)
     return found
 
 
 @pytest.mark.parametrize("mode", ["kept", "lost", "odd"])
-@pytest.mark.parametrize("batches", [_ONE_BATCH, _SEQUENCE], ids=["one-batch", "evict-reuse-sequence"])
+@pytest.mark.parametrize("batches", [_ONE_BATCH, _SEQUENCE, _WITH_RESET],
+                         ids=["one-batch", "evict-reuse-sequence", "reset-then-reuse"])
 def test_crash_at_every_io_call_leaves_only_verified_blocks(tmp_path: Path, batches: list[Batch],
                                                              mode: str) -> None:
     total = sum(_io_calls(b) for b in batches)
@@ -646,8 +676,11 @@ def test_crash_at_every_io_call_leaves_only_verified_blocks(tmp_path: Path, batc
     assert crash_at == total and log[-1] == f"calls {total}"
     # With no crash, each slot holds the last block written to it.
     final = dict(_SETUP)
-    for blocks, _ in batches:
-        final.update(blocks)
+    for b in batches:
+        if _is_reset(b):
+            for loc in b[1]:
+                final.pop(loc, None)
+        final.update(b[0])
     assert found == final
 
 
