@@ -73,12 +73,11 @@ def capacity_for() -> Callable[..., int]:
 PAGE = 4096
 
 
-def ssd_offsets(slot_bytes: int, slot: int) -> tuple[int, int]:
-    """(header offset, data offset) of ``slot`` in one SSD path, from the
-    documented layout: a 4 KiB superblock, then per slot a 4 KiB header and
-    ``slot_bytes`` of data."""
-    header = PAGE + slot * (PAGE + slot_bytes)
-    return header, header + PAGE
+def ssd_offsets(slot_bytes: int, slot: int, num_slots: int) -> tuple[int, int]:
+    """(header offset, data offset) of ``slot`` in an SSD path of ``num_slots``
+    slots, from the documented layout: a 4 KiB superblock, a table of 4 KiB
+    headers, then the slots' data."""
+    return PAGE + slot * PAGE, PAGE + num_slots * PAGE + slot * slot_bytes
 
 
 def ssd_path_bytes(slots_per_path: int, slot_bytes: int) -> int:

@@ -60,8 +60,9 @@ class DiskIo(IoOps):
     the store's dirty-slot tracking exist to prevent exactly that).
     """
 
-    def __init__(self, slot_bytes: int) -> None:
-        self.stride = PAGE + slot_bytes
+    def __init__(self, slot_bytes: int, num_slots: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.data_start = PAGE + num_slots * PAGE  # after the superblock and the header table
         self.reads = threading.Event()
         self.writes = threading.Event()
         self.reads.set()
@@ -85,12 +86,16 @@ class DiskIo(IoOps):
         assert self.writes.wait(60)
         if self.fail_writes:
             raise OSError(self.write_errno, os.strerror(self.write_errno))
-        if offset >= PAGE and (offset - PAGE) % self.stride == 0 and bytes(buffers[0][:8]) == HDR_MAGIC:
+        if PAGE <= offset < self.data_start:  # a run of headers, one page each
+            pages = b"".join(bytes(b) for b in buffers)
             with self._lock:
-                self.header_keys.append(bytes(buffers[0][16:32]))  # magic, epoch, key
-        if offset >= PAGE and (offset - PAGE) % self.stride == PAGE:
+                for at in range(0, len(pages), PAGE):
+                    if pages[at : at + 8] == HDR_MAGIC:
+                        self.header_keys.append(pages[at + 16 : at + 32])  # magic, epoch, key
+        elif offset >= self.data_start:
+            slot = (offset - self.data_start) // self.slot_bytes
             header = mmap.mmap(-1, PAGE)
-            os.preadv(fd, [header], offset - PAGE)
+            os.preadv(fd, [header], PAGE + slot * PAGE)
             with self._lock:
                 self.data_writes += 1
                 self.written.add((fd, offset))
@@ -116,7 +121,7 @@ def dram(make_tier, capacity_for) -> DramTier:
 
 @pytest.fixture
 def disk() -> DiskIo:
-    return DiskIo(RANK_BYTES)
+    return DiskIo(RANK_BYTES, SSD_PER_PATH)
 
 
 @pytest.fixture
@@ -197,7 +202,7 @@ def find_on_disk(ssd: SsdTier, key: bytes) -> tuple[str, int]:
     for path in ssd.paths:
         with open(path, "rb") as f:
             for slot in range(SSD_PER_PATH):
-                header, data = ssd_offsets(RANK_BYTES, slot)
+                header, data = ssd_offsets(RANK_BYTES, slot, SSD_PER_PATH)
                 f.seek(header)
                 h = f.read(32)
                 if h[:8] == HDR_MAGIC and h[16:32] == key:  # magic, epoch, key

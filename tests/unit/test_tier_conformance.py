@@ -90,7 +90,7 @@ class SsdAdapter:
     def corrupt(self, slot: int, offset: int) -> None:
         loc = self._locs[slot]
         with open(self.tier.paths[loc.path_index], "r+b") as f:
-            f.seek(ssd_offsets(SLOT, loc.slot)[1] + offset)
+            f.seek(ssd_offsets(SLOT, loc.slot, SLOTS // 2)[1] + offset)
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 0x01]))
