@@ -169,8 +169,7 @@ def main() -> int:
     print(f"| read (verified) | {tier_r:.2f} GB/s | {fio_r:.2f} GB/s | {tier_r / fio_r:.2f}x | >= 0.85x |")
     raw_w, raw_r = med(rw), med(rr)
     print("\nPeer with the tier's own buffers: bare O_DIRECT pwritev / preadv of the same DRAM slots at the same "
-          "offsets (no headers, no ordering, no checksums; one fdatasync per thread). fio rewrites one hot "
-          "512 KiB buffer per job.\n")
+          "offsets (no headers, no ordering, no checksums; one fdatasync per thread).\n")
     print("| direction | kvtier SSD tier | bare syscalls, same buffers | ratio |")
     print("|---|---|---|---|")
     print(f"| write | {tier_w:.2f} GB/s | {raw_w:.2f} GB/s | {tier_w / raw_w:.2f}x |")
