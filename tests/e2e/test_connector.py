@@ -41,6 +41,10 @@ def test_evicted_prefix_is_loaded_from_dram_and_output_matches_device_hit(kvtier
     assert ext <= 23 * BLOCK  # never the whole prompt
     assert delta(after, before, HOST) == ext
     assert delta(after, before, "kvtier_blocks_loaded_total") == ext // BLOCK
+    # Bytes: K and V x 2 layers x 4 heads x 64 x 64 tokens x float32 a block (the tiny model).
+    assert delta(after, before, "kvtier_bytes_loaded_total") == ext // BLOCK * 2 * 2 * 4 * 64 * BLOCK * 4
+    assert delta(after, before, "kvtier_load_seconds_total") > 0
+    assert delta(after, before, "kvtier_load_errors_total") == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == ext
     assert again["text"] == device_hit["text"]
 
