@@ -221,10 +221,35 @@ def available_memory_bytes() -> int:
     raise RuntimeError("MemAvailable missing from /proc/meminfo")
 
 
+def free_huge_pages(page_bytes: int) -> int:
+    """Free huge pages of ``page_bytes`` on this host (reserved and unused)."""
+    path = f"/sys/kernel/mm/hugepages/hugepages-{page_bytes // 1024}kB/free_hugepages"
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
 def check_dram_fits(cfg: KvtierConfig) -> None:
     if not os.path.isdir(cfg.shm_dir):
         raise ConfigError("shm_dir", cfg.shm_dir, "not a directory", _SOURCE)
     st = os.statvfs(cfg.shm_dir)
+    if st.f_bsize > 4096:  # a hugetlbfs mount: the arena takes reserved huge pages
+        page = st.f_bsize
+        free = free_huge_pages(page) * page
+        if st.f_blocks:  # the mount's own size limit
+            free = min(free, st.f_bavail * page)
+        need = cfg.dram_size_bytes - cfg.dram_size_bytes % page
+        if need < page or need > free:
+            raise ConfigError(
+                "dram_size",
+                cfg.dram_size_bytes,
+                f"needs {max(1, need // page)} huge pages of {page >> 20} MiB in {cfg.shm_dir}, "
+                f"{free // page} free (reserve more: /proc/sys/vm/nr_hugepages; kvtier size prints the count)",
+                _SOURCE,
+            )
+        return
     free = min(st.f_bavail * st.f_frsize, available_memory_bytes())
     if cfg.dram_size_bytes > free:
         raise ConfigError(

@@ -26,6 +26,12 @@ has written its part, and one checksum per rank. Who writes what:
 The file is ``posix_fallocate``-d at creation: tmpfs would otherwise hand out
 pages lazily and a full /dev/shm would kill the engine with SIGBUS on first
 touch, long after start-up said all was well.
+
+Huge pages: when the arena's directory is a hugetlbfs mount (``shm_dir``
+pointed at, e.g., ``/dev/hugepages``), the arena is sized in whole huge
+pages and lives on them (fewer TLB misses on 100+ GB pools). hugetlbfs
+takes no ``write(2)``, so everything, superblock included, is written
+through the mapping.
 """
 
 from __future__ import annotations
@@ -57,6 +63,13 @@ assert _HEADER.itemsize == 128
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def page_size_of(directory: str) -> int:
+    """The page size files in ``directory`` are made of: the huge page size
+    on a hugetlbfs mount (its block size), else 4 KiB."""
+    bsize = os.statvfs(directory).f_bsize
+    return max(_PAGE, bsize)
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -122,19 +135,26 @@ class DramTier:
 
     @classmethod
     def create(cls, path: str, capacity_bytes: int, rank_bytes: int, ranks: int = 1) -> DramTier:
-        """Create a new arena file of at most ``capacity_bytes`` at ``path`` (must not exist)."""
+        """Create a new arena file of at most ``capacity_bytes`` at ``path`` (must not exist).
+
+        On a hugetlbfs mount the arena is a whole number of huge pages, at
+        most ``capacity_bytes`` rounded down to one.
+        """
         if not 1 <= ranks <= MAX_RANKS:
             raise ValueError(f"ranks must be 1..{MAX_RANKS}, got {ranks}")
+        page = page_size_of(os.path.dirname(os.path.abspath(path)))
+        if page > _PAGE:
+            capacity_bytes -= capacity_bytes % page
         num_slots, slot_stride, data_off = cls.layout_for(capacity_bytes, rank_bytes, ranks)
         if num_slots < 1:
             raise ConfigError("dram_size", capacity_bytes,
                               f"too small for one block of {rank_bytes * ranks} bytes")
-        size = data_off + num_slots * slot_stride
+        size = _round_up(data_off + num_slots * slot_stride, page)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
-            os.pwrite(fd, _SUPER.pack(_MAGIC, 1, ranks, num_slots, rank_bytes, slot_stride, data_off, b""), 0)
             mm = _map(fd, size)
+            mm[: _SUPER.size] = _SUPER.pack(_MAGIC, 1, ranks, num_slots, rank_bytes, slot_stride, data_off, b"")
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -149,7 +169,8 @@ class DramTier:
             magic, version, ranks, num_slots, rank_bytes, slot_stride, data_off, _ = _SUPER.unpack(raw)
             if magic != _MAGIC or version != 1:
                 raise ValueError(f"{path} is not a kvtier DRAM arena")
-            size = data_off + num_slots * slot_stride
+            page = page_size_of(os.path.dirname(os.path.abspath(path)))
+            size = _round_up(data_off + num_slots * slot_stride, page)
             mm = _map(fd, size)
         except BaseException:
             os.close(fd)
