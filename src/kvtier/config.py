@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 from kvtier.errors import ConfigError
+from kvtier.hostmem import available_memory_bytes, free_huge_pages, hugetlbfs_page_size
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -212,31 +213,12 @@ def parse_connector_config(extra: Mapping[str, object] | None, *, check_memory: 
     return cfg
 
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (the kernel's estimate), in bytes."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable missing from /proc/meminfo")
-
-
-def free_huge_pages(page_bytes: int) -> int:
-    """Free huge pages of ``page_bytes`` on this host (reserved and unused)."""
-    path = f"/sys/kernel/mm/hugepages/hugepages-{page_bytes // 1024}kB/free_hugepages"
-    try:
-        with open(path) as f:
-            return int(f.read())
-    except OSError:
-        return 0
-
-
 def check_dram_fits(cfg: KvtierConfig) -> None:
     if not os.path.isdir(cfg.shm_dir):
         raise ConfigError("shm_dir", cfg.shm_dir, "not a directory", _SOURCE)
     st = os.statvfs(cfg.shm_dir)
-    if st.f_bsize > 4096:  # a hugetlbfs mount: the arena takes reserved huge pages
-        page = st.f_bsize
+    page = hugetlbfs_page_size(cfg.shm_dir)
+    if page is not None:  # a hugetlbfs mount: the arena takes reserved huge pages
         free = free_huge_pages(page) * page
         if st.f_blocks:  # the mount's own size limit
             free = min(free, st.f_bavail * page)

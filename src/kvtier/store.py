@@ -36,6 +36,7 @@ outside it.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import threading
 import time
@@ -484,9 +485,12 @@ class TieredStore:
         freed = demoted = lost = 0
         batch: list[bytes] = []
         if self.ssd is not None and (len(self._entries) >= self._watermark or self._demoting >= self._demote_limit):
-            # Freeing fast: blocks whose SSD copy is already written go first,
-            # in LRU order, before any block is freed without a copy.
-            for key in list(self._policy.victims()):
+            # Freeing fast: among the colder half of DRAM, blocks whose SSD
+            # copy is already written go first, before any block is freed
+            # without a copy. The hotter half is left alone: it holds what
+            # was just promoted or looked up and is about to be read.
+            window = max(self._effective_used() - target, len(self._entries) // 2)
+            for key in list(itertools.islice(self._policy.victims(), window)):
                 if self._effective_used() <= target:
                     break
                 e = self._entries[key]

@@ -40,8 +40,12 @@ def test_blocks_written_during_speculative_decode_load_correctly(spec_server: Vl
     a = (tokens(1, 100) * 10)[:1000]
     before = srv.metrics()
     out = generate_ids(srv, a, 200)  # positions 1000..1199: blocks 15..17 fill up during decode
-    drafts = delta(srv.metrics(), before, "vllm:spec_decode_num_draft_tokens_total")
+    after = srv.metrics()
+    drafts = delta(after, before, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = delta(after, before, "vllm:spec_decode_num_accepted_tokens_total")
     assert drafts > 0, "the n-gram proposer made no draft: speculative decoding was not exercised"
+    # Some drafts were rejected: their KV was written and then had to be discarded.
+    assert accepted < drafts
 
     # The next turn: the prompt, the answer, a new question. Its first 18
     # blocks (1,152 tokens) were all saved, three of them during decode.

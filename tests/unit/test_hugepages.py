@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.config import KvtierConfig, check_dram_fits, free_huge_pages
+from kvtier.config import KvtierConfig, check_dram_fits
+from kvtier.hostmem import free_huge_pages
 from kvtier.errors import ConfigError
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum, page_size_of
@@ -89,3 +90,26 @@ def test_dram_size_is_checked_against_free_huge_pages(hugetlbfs: str) -> None:
     assert f"{free} free" in str(info.value)
     with pytest.raises(ConfigError, match="needs 1 huge pages"):
         check_dram_fits(KvtierConfig(dram_size_bytes=HUGE // 2, shm_dir=hugetlbfs))
+
+
+def test_file_system_type_comes_from_the_mount_table(tmp_path: Path) -> None:
+    from kvtier.hostmem import filesystem_type
+
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "22 1 0:21 / / rw - ext4 /dev/vda1 rw\n"
+        "25 22 0:23 / /dev/shm rw,nosuid - tmpfs tmpfs rw\n"
+        "30 22 0:40 / /mnt/huge\\040pages rw - hugetlbfs none rw,pagesize=2M\n"
+        "31 30 0:41 / /mnt/huge\\040pages/inner rw - tmpfs tmpfs rw\n")
+    assert filesystem_type("/dev/shm", str(table)) == "tmpfs"
+    assert filesystem_type("/dev/shm/kvtier-dram-1-0", str(table)) == "tmpfs"
+    assert filesystem_type("/dev/shmx", str(table)) == "ext4"  # a prefix of the name is not a parent
+    assert filesystem_type("/mnt/huge pages", str(table)) == "hugetlbfs"
+    assert filesystem_type("/mnt/huge pages/inner/x", str(table)) == "tmpfs"  # the innermost mount
+    assert filesystem_type("/", str(tmp_path / "missing")) == ""
+
+
+def test_tmpfs_is_not_taken_for_huge_pages() -> None:
+    # Whatever block size /dev/shm reports (64 KiB on hosts with 64 KiB base
+    # pages), only a hugetlbfs mount makes the arena use huge pages.
+    assert page_size_of("/dev/shm") == 4096

@@ -22,8 +22,9 @@ def test_two_builds_give_the_same_bytes(tmp_path: Path) -> None:
     da, db = _digests(a), _digests(b)
     assert {"config.json", "model.safetensors", "tokenizer.json", "kvtier-model.json"} <= set(da)
     assert da == db
+    stamp = (a / "model.safetensors").stat().st_mtime_ns
     assert build_model("gqa", cache_dir=tmp_path / "a") == a  # cached: found, not rebuilt
-    assert _digests(a) == da
+    assert (a / "model.safetensors").stat().st_mtime_ns == stamp and _digests(a) == da
 
 
 def test_geometry_tokenizer_and_chat_template(tmp_path: Path) -> None:

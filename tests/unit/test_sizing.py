@@ -87,6 +87,14 @@ def test_a_log_of_several_starts_counts_the_last() -> None:
     assert kv.devices == 1 and kv.bytes_per_token == pytest.approx(2 * (1 << 30) / 4000)
 
 
+def test_several_engines_log_their_size_after_the_workers_memory() -> None:
+    # Data parallel: both workers' memory lines, then each engine core's size line.
+    log = ("(Worker_DP0) Available KV cache memory: 4.00 GiB\n(Worker_DP1) Available KV cache memory: 4.00 GiB\n"
+           "(EngineCore_DP0) GPU KV cache size: 32,768 tokens\n(EngineCore_DP1) GPU KV cache size: 32,768 tokens\n")
+    kv = sizing.from_log(log)
+    assert kv.devices == 2 and kv.bytes_per_token == pytest.approx(4 * (1 << 30) / 32768)
+
+
 def test_workload_host_memory_and_huge_pages(tmp_path: Path) -> None:
     kv = sizing.KvShape(1000.0, "test")
     assert sizing.workload_bytes_per_device(kv, concurrency=10, mean_tokens=2000) == 10 * 2000 * 1.5 * 1000

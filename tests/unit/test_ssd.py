@@ -457,12 +457,14 @@ def _fake_loop(sys_block: Path, name: str, backing: str | None) -> None:
 
 
 def test_a_file_backing_a_loop_device_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # /sys/block as the kernel shows it: loop0 detached, loop3 on our file.
+    # /sys/block as the kernel shows it: loop0 detached, loop3 on our file,
+    # loop5 on a file that had this path before it was deleted.
     path = tmp_path / "ssd.bin"
     path.write_bytes(b"\0" * (1 << 20))
     sys_block = tmp_path / "sys-block"
     _fake_loop(sys_block, "loop0", None)
     _fake_loop(sys_block, "loop3", str(path))
+    _fake_loop(sys_block, "loop5", f"{path} (deleted)")  # an earlier file at this path, since removed
     _fake_loop(sys_block, "sda", None)
     monkeypatch.setattr(ssd_module, "SYS_BLOCK", str(sys_block))
     assert ssd_module.loop_devices_backed_by(str(path)) == ["/dev/loop3"]

@@ -411,23 +411,27 @@ def test_at_the_dram_watermark_eviction_frees_without_copy(make_store, disk: Dis
     assert store.probe(KEYS[:4]) == Probe(0, 0)
 
 
-def test_at_the_dram_watermark_blocks_with_an_ssd_copy_go_first(make_store, disk: DiskIo) -> None:
-    store = make_store(dram_watermark_pct=50)  # 5 of 10: eviction from 8 blocks frees fast
-    save_each(store, KEYS[:4])  # cleaned ahead: K0..K3 have SSD copies
-    assert store.counters()["blocks_demoted"] == 4
+def test_at_the_dram_watermark_cold_blocks_with_an_ssd_copy_go_first(make_store, disk: DiskIo) -> None:
+    # High 9, low 7 of 10 slots; freeing fast from 5 blocks up. Eviction of
+    # 3 (9 -> 6) looks for SSD-backed blocks in the colder half only.
+    store = make_store(high_pct=90, low_pct=70, dram_watermark_pct=50)
+    save_each(store, KEYS[:6])  # copied ahead from 6 blocks up: K0..K5 have SSD copies
+    assert on_ssd(store, KEYS[:6]) == [] and store.counters()["blocks_demoted"] == 6
     disk.fail_writes = True
-    save_each(store, KEYS[4:8], first_step=4)  # K4..K7: their copies fail, they stay in DRAM only
-    assert store.counters()["blocks_demoted"] == 4
-    store.probe(KEYS[:4])  # K0..K3 become the most recently used
+    save_each(store, KEYS[6:8], first_step=6)  # K6, K7: their copies fail
+    for k in KEYS[:6]:
+        store.probe([k])  # used again: LRU order K6 K7 K0 K1 K2 K3 K4 K5
+    save_each(store, KEYS[8:9], first_step=8)  # K8, no copy: 9 blocks
     before = store.counters()
-    save_each(store, KEYS[8:9], first_step=8)  # 9 > high 8: evict down to 4
+    save_each(store, KEYS[9:10], first_step=9)  # 10 > 9: evict 3
     c = store.counters()
-    # The least recently used blocks (K4..K7) have no SSD copy; freeing them
-    # would lose them. The four with a copy are freed instead.
-    assert c["evictions"] - before["evictions"] == 4
-    assert c["evicted_without_copy"] == before["evicted_without_copy"] == 0
-    assert in_dram(store, KEYS[:9]) == KEYS[4:9]
-    assert on_ssd(store, KEYS[:4]) == KEYS[:4]
+    assert c["evictions"] - before["evictions"] == 3
+    # Coldest half: K6 K7 K0 K1. K0 and K1 have copies and go first; then
+    # LRU order takes K6, freed without a copy. Hot K2..K5 stay, though
+    # they have copies too.
+    assert c["evicted_without_copy"] - before["evicted_without_copy"] == 1
+    assert in_dram(store, KEYS[:10]) == KEYS[2:6] + [KEYS[7]] + KEYS[8:10]
+    assert on_ssd(store, KEYS[:2]) == KEYS[:2]
 
 
 @pytest.mark.parametrize(("interval_s", "one_line"), [(0.0, False), (3600.0, True)])

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from kvtier.config import KvtierConfig, parse_connector_config
+from kvtier.config import KvtierConfig, check_dram_fits, parse_connector_config
 from kvtier.connector.meta import StepPlan
 from kvtier.connector.scheduler import SchedulerSide, arena_path, remove_stale_arenas
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
@@ -133,9 +133,6 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     ranks = pc.tensor_parallel_size * pc.pipeline_parallel_size
     # Each rank holds its own layers; with PP a rank has a share, so size for all.
     rank_bytes = -(-spec.page_size_bytes // _LAYER_ALIGN) * _LAYER_ALIGN * len(layers)
-    removed = remove_stale_arenas(cfg.shm_dir)
-    if removed:
-        log.info("kvtier: removed %d arenas left by dead processes", len(removed))
     engine_id = vllm_config.kv_transfer_config.engine_id or "0"
     tier = DramTier.create(arena_path(cfg.shm_dir, engine_id), cfg.dram_size_bytes, rank_bytes, ranks)
     ssd = None
@@ -175,7 +172,14 @@ class KvtierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         try:
-            cfg = parse_connector_config(extra, check_memory=role == KVConnectorRole.SCHEDULER)
+            cfg = parse_connector_config(extra, check_memory=False)
+            if role == KVConnectorRole.SCHEDULER:
+                # Arenas of killed engines go first: on huge pages they hold
+                # exactly the pages this start needs.
+                removed = remove_stale_arenas(cfg.shm_dir)
+                if removed:
+                    log.info("kvtier: removed %d arenas left by dead processes", len(removed))
+                check_dram_fits(cfg)
             # Opening the tiers can refuse a path (mounted, held, no direct
             # I/O): that is a configuration error too, shown as one line.
             if role == KVConnectorRole.SCHEDULER:

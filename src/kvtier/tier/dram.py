@@ -46,6 +46,7 @@ import torch
 import xxhash
 
 from kvtier.errors import ConfigError
+from kvtier.hostmem import hugetlbfs_page_size
 
 _MAGIC = b"KVTDRAM2"
 _SUPER = struct.Struct("<8sIIQQQQ16s")  # magic, version, ranks, num_slots, slot_bytes, slot_stride, data_off, ns
@@ -67,9 +68,8 @@ def _round_up(n: int, to: int) -> int:
 
 def page_size_of(directory: str) -> int:
     """The page size files in ``directory`` are made of: the huge page size
-    on a hugetlbfs mount (its block size), else 4 KiB."""
-    bsize = os.statvfs(directory).f_bsize
-    return max(_PAGE, bsize)
+    on a hugetlbfs mount, else 4 KiB (the arena's own alignment)."""
+    return hugetlbfs_page_size(directory) or _PAGE
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -152,7 +152,12 @@ class DramTier:
         size = _round_up(data_off + num_slots * slot_stride, page)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as err:
+                raise ConfigError("dram_size", capacity_bytes,
+                                  f"cannot allocate {size} bytes in {os.path.dirname(path)}: {err.strerror}") \
+                    from None
             mm = _map(fd, size)
             mm[: _SUPER.size] = _SUPER.pack(_MAGIC, 1, ranks, num_slots, rank_bytes, slot_stride, data_off, b"")
         except BaseException:

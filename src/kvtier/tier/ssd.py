@@ -159,7 +159,7 @@ def loop_devices_backed_by(path: str) -> list[str]:
                 backing = f.read().strip()
         except OSError:
             continue  # not attached
-        if backing.removesuffix(" (deleted)") == target:
+        if backing == target:  # "<path> (deleted)": the device holds a file since removed, not this one
             out.append(f"/dev/{name}")
     return out
 

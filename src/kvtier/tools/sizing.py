@@ -91,18 +91,29 @@ def from_log(text: str, devices: int | None = None) -> KvShape:
     share of every token: memory / N bytes per token per device, devices x
     memory / N for the instance.
 
-    A log may hold several starts: the last "KV cache size" line and the
-    memory lines just before it count. Without ``devices``, the device
-    count is the number of those memory lines; vLLM often logs only the
-    first worker's, so give ``devices`` (``--devices``) for a multi-device
-    instance.
+    A log may hold several starts: the last run of memory lines and the
+    size line(s) right after it count (with several engines, each logs a
+    size line after the workers' memory lines). Without ``devices``, the
+    device count is the number of those memory lines; vLLM often logs only
+    the first worker's, so give ``devices`` (``--devices``) for a
+    multi-device instance.
     """
-    toks = list(_TOKENS.finditer(text))
-    if not toks:
+    events = sorted([(m.start(), "size", m) for m in _TOKENS.finditer(text)]
+                    + [(m.start(), "mem", m) for m in _AVAIL.finditer(text)], key=lambda e: e[0])
+    sizes = [m for _, kind, m in events if kind == "size"]
+    if not sizes:
         raise ConfigError("--log", "", "no 'KV cache size: N tokens' line found")
-    last = toks[-1]
-    start = toks[-2].end() if len(toks) > 1 else 0
-    mems = [float(v.replace(",", "")) * _UNITS[u] for v, u in _AVAIL.findall(text, start, last.start())]
+    last = sizes[-1]
+    # Walk back from the last size line: past the size lines next to it,
+    # then over the memory lines before them, up to an earlier size line.
+    i = max(n for n, (_, kind, m) in enumerate(events) if m is last)
+    while i >= 0 and events[i][1] == "size":
+        i -= 1
+    mems = []
+    while i >= 0 and events[i][1] == "mem":
+        v, u = events[i][2].groups()
+        mems.append(float(v.replace(",", "")) * _UNITS[u or ""])
+        i -= 1
     if not mems:
         raise ConfigError("--log", "", "no 'Available KV cache memory: X GiB' line before the last "
                                        "'KV cache size' line")
