@@ -184,14 +184,18 @@ def test_round_trip_bit_exact(make_tier, capacity_for, kind: LayoutKind, dtype: 
         assert torch.equal(bits(kv[n]), bits(originals[n])), n
 
 
+def bf16_arena(make_tier, capacity_for, kind: LayoutKind, layers: int, seed: int):
+    """Random bf16 KV of ``layers`` layers and a 4-slot arena for it: (kv, layout, block-major layers, tier, slots)."""
+    kv = random_kv(kind, torch.bfloat16, layers=layers, seed=seed)
+    layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
+    tier = make_tier(capacity_for(4, layout.block_bytes), layout.block_bytes)
+    return kv, layout, [block_major(kv[n], kind) for n in layout.layer_names], tier, rank_slots(tier, 0, layout)
+
+
 @pytest.mark.parametrize("indexed", [None, True], ids=["cpu-path", "indexed-path"])
 @pytest.mark.parametrize("kind", [LayoutKind.CPU, LayoutKind.FLASH])
 def test_scatter_writes_only_its_blocks(make_tier, capacity_for, kind: LayoutKind, indexed: bool | None) -> None:
-    kv = random_kv(kind, torch.bfloat16, layers=3, seed=2)
-    layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
-    layers = [block_major(kv[n], kind) for n in layout.layer_names]
-    tier = make_tier(capacity_for(4, layout.block_bytes), layout.block_bytes)
-    slots = rank_slots(tier, 0, layout)
+    kv, layout, layers, tier, slots = bf16_arena(make_tier, capacity_for, kind, layers=3, seed=2)
     gather_blocks(layers, layout, [2, 3], slots, [0, 1], indexed=indexed)
     before = {n: t.clone() for n, t in kv.items()}
     # Load slot 1 (block 3's contents) into block 7 and slot 0 into block 0.
@@ -209,11 +213,7 @@ def test_both_paths_write_the_same_bytes(make_tier, capacity_for) -> None:
     # an accelerator process never share a namespace, but one process may
     # take either path): the slot bytes must not depend on the path.
     for kind in (LayoutKind.CPU, LayoutKind.FLASH):
-        kv = random_kv(kind, torch.bfloat16, layers=2, seed=4)
-        layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS)
-        layers = [block_major(kv[n], kind) for n in layout.layer_names]
-        tier = make_tier(capacity_for(4, layout.block_bytes), layout.block_bytes)
-        slots = rank_slots(tier, 0, layout)
+        _, layout, layers, tier, slots = bf16_arena(make_tier, capacity_for, kind, layers=2, seed=4)
         gather_blocks(layers, layout, [4, 2], slots, [0, 1], indexed=False)
         gather_blocks(layers, layout, [4, 2], slots, [2, 3], indexed=True)
         assert torch.equal(tier.rank_view(0), tier.rank_view(2))

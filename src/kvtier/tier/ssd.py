@@ -390,9 +390,9 @@ class SsdTier:
         """Write the headers of ``entries`` (None: empty), one request per run
         of neighbouring slots of a path (at most 256 headers a request)."""
         ordered = sorted(entries, key=lambda e: (e[0].path_index, e[0].slot))
-        chunk = 256
-        for c in range(0, len(ordered), chunk):
-            part = ordered[c : c + chunk]
+        most = 256  # headers per request: bounds the per-thread buffer
+        for c in range(0, len(ordered), most):
+            part = ordered[c : c + most]
             buf = self._header_pages(len(part))
             view = memoryview(buf)
             for page, (_, rec) in enumerate(part):
