@@ -85,6 +85,20 @@ def wait_for_log(srv: VllmServer, pattern: str, timeout_s: float = 15.0) -> list
         time.sleep(0.5)
 
 
+def assert_loads_succeeded(before: dict[str, float], after: dict[str, float], hit_tokens: float,
+                           ranks: int = 1) -> None:
+    """The external hits between ``before`` and ``after`` were loaded, not recomputed.
+
+    vLLM counts an external hit when it schedules the load, before the load
+    runs, and a float32 recompute gives the same text: hit counters and text
+    alone pass when every load fails. Loads that succeeded show as blocks
+    loaded (each rank counts its share of every block) and no load error.
+    """
+    assert delta(after, before, "kvtier_load_errors_total") == 0
+    assert delta(after, before, "kvtier_blocks_loaded_total") == hit_tokens // BLOCK * ranks
+    assert delta(after, before, "kvtier_corrupt_blocks_total") == 0
+
+
 def hit_after_eviction(srv: VllmServer, prompt: list[int], filler_seed: int
                        ) -> tuple[dict, dict, dict[str, float], dict[str, float]]:
     """Ask ``prompt`` cold and again (a device hit), push it out of the device

@@ -37,6 +37,9 @@ def test_compare_runs_each_configuration_and_stops_its_servers(tiny_model: str, 
     assert vllm["summary"]["prompt_tokens"] == ssd["summary"]["prompt_tokens"]
     assert vllm["hit_rates"]["h2"] == 0 and vllm["hit_rates"]["by_source"].get("disk", 0) == 0
     assert ssd["hit_rates"]["h2"] > 0 and ssd["hit_rates"]["by_source"].get("disk", 0) > 0
+    # The hits were loaded (vLLM counts them before the load runs): blocks of 64 tokens.
+    assert ssd["hit_rates"]["load_errors"] == 0
+    assert ssd["hit_rates"]["loaded_blocks"] * 64 == ssd["hit_rates"]["external_tokens"] > 0
     assert ssd["summary"]["cached_tokens"] > vllm["summary"]["cached_tokens"]
     assert "| measure | vLLM alone | kvtier DRAM + SSD |" in text
     assert (out / "report.md").exists() and (out / "ttft_cdf.png").exists()

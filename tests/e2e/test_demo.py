@@ -27,6 +27,11 @@ def test_demo_shows_kvtier_hits_and_stops_its_server(tiny_model: str, tmp_path) 
     # document and the shared chat prefix); kvtier holds the rest.
     assert summary["round 2"]["h1"] < 0.5
     assert summary["round 2"]["h2"] > 0.8 and summary["round 2"]["h_all"] > 0.9
+    # Those hits were loaded, not recomputed after failed loads: every
+    # external token came in a block kvtier copied (blocks of 64 tokens).
+    r2 = summary["round 2"]
+    assert r2["load_errors"] == 0 and r2["external_tokens"] > 0
+    assert r2["loaded_blocks"] * 64 == r2["external_tokens"]
     assert summary["whole run"]["h_all"] == pytest.approx(
         summary["whole run"]["h1"] + (1 - summary["whole run"]["h1"]) * summary["whole run"]["h2"])
     port = int(re.search(r"server ready at http://127\.0\.0\.1:(\d+)", text).group(1))

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.tools.server import VllmServer
-from tests.e2e.conftest import BLOCK, delta, hit_after_eviction, server_options, tokens
+from tests.e2e.conftest import BLOCK, assert_loads_succeeded, delta, hit_after_eviction, server_options, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -25,5 +25,6 @@ def gqa_server(gqa_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def test_gqa_prefix_from_dram_matches_device_hit(gqa_server: VllmServer) -> None:
     device_hit, again, before, after = hit_after_eviction(gqa_server, tokens(11, 20 * BLOCK + 17), 1100)
     assert delta(after, before, "vllm:external_prefix_cache_hits_total") == 20 * BLOCK
+    assert_loads_succeeded(before, after, 20 * BLOCK)
     assert again["text"] == device_hit["text"]
     assert "kvtier: 2 layers, cpu layout, 16384 bytes per block per layer" in gqa_server.log_text()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvtier.tools.server import VllmServer
-from tests.e2e.conftest import BLOCK, complete, delta, server_options, tokens
+from tests.e2e.conftest import BLOCK, assert_loads_succeeded, complete, delta, server_options, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -56,6 +56,7 @@ def test_blocks_written_during_speculative_decode_load_correctly(spec_server: Vl
     hit = complete(srv, follow, max_tokens=16)
     m1 = srv.metrics()
     assert delta(m1, m0, "vllm:external_prefix_cache_hits_total") == 18 * BLOCK
+    assert_loads_succeeded(m0, m1, 18 * BLOCK)
 
     # The same request with nothing cached anywhere computes every token.
     r = httpx.post(srv.url + "/reset_prefix_cache", params={"reset_external": "true"}, timeout=60)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tools.server import VllmServer
-from tests.e2e.conftest import BLOCK, complete, delta, hit_after_eviction, server_options, tokens
+from tests.e2e.conftest import BLOCK, assert_loads_succeeded, complete, delta, hit_after_eviction, server_options, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -31,6 +31,7 @@ def test_repeat_hits_on_ssd_and_survives_restart(tiny_model: str, tmp_path: Path
         device_hit, again, before, after = hit_after_eviction(srv, a, 2100)
         assert delta(after, before, DEVICE) == 0
         assert delta(after, before, EXT_HITS) == 20 * BLOCK
+        assert_loads_succeeded(before, after, 20 * BLOCK)
         assert delta(after, before, DISK) > 0, "expected blocks promoted from SSD"
         assert delta(after, before, "kvtier_blocks_promoted_total") > 0
         assert delta(before, {}, "kvtier_blocks_demoted_total") > 0
@@ -46,6 +47,8 @@ def test_repeat_hits_on_ssd_and_survives_restart(tiny_model: str, tmp_path: Path
         after = srv.metrics()
         assert delta(after, before, EXT_HITS) == 20 * BLOCK
         assert delta(after, before, DISK) == 20 * BLOCK
+        assert_loads_succeeded(before, after, 20 * BLOCK)
+        assert delta(after, before, "kvtier_blocks_promoted_total") == 20
         assert after_restart["text"] == device_hit["text"]
 
     # force_new_disk starts empty.

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tools.server import VllmServer
-from tests.e2e.conftest import BLOCK, delta, hit_after_eviction, server_options, tokens
+from tests.e2e.conftest import BLOCK, assert_loads_succeeded, delta, hit_after_eviction, server_options, tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -20,6 +20,7 @@ def test_two_ranks_share_slots_and_hit_like_the_device_cache(tiny_model: str, tm
         device_hit, again, before, after = hit_after_eviction(srv, tokens(31, 22 * BLOCK + 9), 3100)
         log = srv.log_text()
     assert delta(after, before, "vllm:external_prefix_cache_hits_total") == 22 * BLOCK
+    assert_loads_succeeded(before, after, 22 * BLOCK, ranks=2)
     assert again["text"] == device_hit["text"]
     # Each rank holds half the KV heads; the slot holds both halves.
     assert log.count("kvtier: 2 layers, cpu layout, 65536 bytes per block per layer") == 2

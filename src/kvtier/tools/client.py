@@ -100,12 +100,19 @@ class HitRates:
     h1: device prefix cache; h2: external (kvtier) over what the device
     missed; h_all = h1 + (1 - h1) * h2. ``by_source`` counts cached prompt
     tokens per source (device, host, disk, ...).
+
+    vLLM counts an external hit when it schedules the load, before the load
+    runs; ``loaded_blocks`` and ``load_errors`` (kvtier's own counters, 0
+    on a server without kvtier) say whether those loads then succeeded.
     """
 
     h1: float
     h2: float
     queries: float
     by_source: dict[str, float]
+    external_tokens: float = 0.0
+    loaded_blocks: float = 0.0
+    load_errors: float = 0.0
 
     @property
     def h_all(self) -> float:
@@ -120,7 +127,8 @@ def hit_rates(before: dict[str, float], after: dict[str, float]) -> HitRates:
     q2, hits2 = d("vllm:external_prefix_cache_queries_total"), d("vllm:external_prefix_cache_hits_total")
     prefix = 'vllm:prompt_tokens_cached_by_source_total{source="'
     by_source = {k[len(prefix):-2]: d(k) for k in after if k.startswith(prefix)}
-    return HitRates(hits1 / q1 if q1 else 0.0, hits2 / q2 if q2 else 0.0, q1, by_source)
+    return HitRates(hits1 / q1 if q1 else 0.0, hits2 / q2 if q2 else 0.0, q1, by_source, hits2,
+                    d("kvtier_blocks_loaded_total"), d("kvtier_load_errors_total"))
 
 
 def scrape(base_url: str) -> dict[str, float]:

@@ -100,7 +100,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
     for name, a, b in (("round 1", before, mid), ("round 2", mid, after), ("whole run", before, after)):
         h = hit_rates(a, b)
         rates.add_row(name, f"{h.h1:.1%}", f"{h.h2:.1%}", f"{h.h_all:.1%}", f"{h.by_source.get('host', 0):.0f}")
-        summary[name] = {"h1": h.h1, "h2": h.h2, "h_all": h.h_all}
+        summary[name] = {"h1": h.h1, "h2": h.h2, "h_all": h.h_all, "external_tokens": h.external_tokens,
+                         "loaded_blocks": h.loaded_blocks, "load_errors": h.load_errors}
     console.print(rates)
     console.print(f"done in {time.monotonic() - t_start:.0f} s; server stopped")
     return summary

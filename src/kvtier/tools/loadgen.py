@@ -116,7 +116,8 @@ class BenchReport:
              "summary": self.summary, "results": [asdict(r) for r in self.results]}
         if self.hits is not None:
             d["hit_rates"] = {"h1": self.hits.h1, "h2": self.hits.h2, "h_all": self.hits.h_all,
-                              "by_source": self.hits.by_source}
+                              "by_source": self.hits.by_source, "external_tokens": self.hits.external_tokens,
+                              "loaded_blocks": self.hits.loaded_blocks, "load_errors": self.hits.load_errors}
         return d
 
 
