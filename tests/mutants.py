@@ -1,0 +1,109 @@
+"""Mutants of kvtier's failure paths: each must make the unit tests fail.
+
+A test suite that passes on broken code proves nothing. Each mutant below
+switches off one guard that stands between a bad block and a user's answer
+(a checksum check, a discard, a refusal). For each, the repository is
+copied to a temporary folder, the one change is applied to the copy, and the
+unit tests of the failure paths run against it. A mutant the tests still
+pass on "survived": a guard no test checks. The result goes into
+docs/reliability.md.
+
+    .venv/bin/python tests/mutants.py            # all mutants
+    .venv/bin/python tests/mutants.py -k worker  # those whose name contains "worker"
+
+Exit status 1 if any mutant survived, or if a mutant's text is no longer in
+the source (the list must follow the code, never silently go stale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = [
+    "tests/unit/test_connector_failsafe.py", "tests/unit/test_connector_guards.py", "tests/unit/test_dram.py",
+    "tests/unit/test_store.py", "tests/unit/test_store_ssd.py", "tests/unit/test_ssd.py",
+    "tests/unit/test_layout_copy.py", "tests/unit/test_connector_stats.py",
+]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository
+    old: str
+    new: str
+
+
+MUTANTS = [
+    Mutant("worker: checksum of loaded blocks not checked", "src/kvtier/connector/worker.py",
+           "ok = self._tier.verify(c.slot, c.key, self.rank, check_data=True)", "ok = True"),
+    Mutant("worker: slot header not checked before the copy", "src/kvtier/connector/worker.py",
+           "if c.slot >= 0 and tier.is_sealed(c.slot, c.key):", "if c.slot >= 0:"),
+    Mutant("worker: saves of a step with a failed load kept", "src/kvtier/connector/worker.py",
+           "if self._step_load_failed or self._load_errors:", "if False:"),
+    Mutant("scheduler: corrupt keys never discarded", "src/kvtier/connector/scheduler.py",
+           "self.store.discard(report.corrupt_keys)", "pass"),
+    Mutant("scheduler: saves after a failed load not doomed", "src/kvtier/connector/scheduler.py",
+           "self.store.doom_pending(last)", "pass"),
+    Mutant("scheduler: a step reported by fewer than all ranks accepted", "src/kvtier/connector/scheduler.py",
+           "if n >= self.ranks:", "if n >= 1:"),
+    Mutant("dram: data checksum not compared", "src/kvtier/tier/dram.py",
+           "return not check_data or checksum(self.rank_view(slot, rank)) == int(h[\"checksum\"][rank])",
+           "return True"),
+    Mutant("store: failed save slots published", "src/kvtier/store.py",
+           "if e.slot in failed or e.doomed:", "if False:"),
+    Mutant("ssd: data checksum not compared on read", "src/kvtier/tier/ssd.py",
+           "return xxhash.xxh3_64_intdigest(out) == rec.checksum", "return True"),
+]
+
+
+def run_one(m: Mutant, python: str) -> tuple[str, float]:
+    """'killed', 'survived' or 'stale' (the text to change is not in the source)."""
+    src = os.path.join(ROOT, m.path)
+    with open(src) as f:
+        text = f.read()
+    if text.count(m.old) != 1:
+        return "stale", 0.0
+    with tempfile.TemporaryDirectory(prefix="kvtier-mutant-") as tmp:
+        for part in ("src", "tests", "pyproject.toml"):
+            s, d = os.path.join(ROOT, part), os.path.join(tmp, part)
+            (shutil.copytree if os.path.isdir(s) else shutil.copy)(s, d)
+        with open(os.path.join(tmp, m.path), "w") as f:
+            f.write(text.replace(m.old, m.new))
+        env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "src") + os.pathsep + tmp)
+        # The copy, not the installed tree, must be what the tests import.
+        where = subprocess.run([python, "-c", "import kvtier; print(kvtier.__file__)"], cwd=tmp, env=env,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        if not where.startswith(tmp):
+            raise SystemExit(f"the tests would import {where}, not the mutated copy")
+        t0 = time.monotonic()
+        r = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *TESTS], cwd=tmp,
+                           env=env, capture_output=True, text=True)
+        return ("survived" if r.returncode == 0 else "killed"), time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-k", default="", help="only mutants whose name contains this text")
+    args = ap.parse_args()
+    bad = 0
+    print("| mutant | result |\n|---|---|")
+    for m in MUTANTS:
+        if args.k not in m.name:
+            continue
+        result, seconds = run_one(m, sys.executable)
+        bad += result != "killed"
+        print(f"| {m.name} | {result} ({seconds:.0f} s) |", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

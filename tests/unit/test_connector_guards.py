@@ -1,0 +1,138 @@
+"""The guards between a bad block and a user's answer, each checked where it acts.
+
+Every test here kills a mutant that survived the rest of the unit suite
+(docs/reliability.md, "Mutants"): the worker's checksum check, the
+scheduler discarding keys the workers found corrupt, dooming saves planned
+after a failed load, and refusing a step that not every rank finished.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
+from kvtier.connector.scheduler import SchedulerSide
+from kvtier.connector.worker import WorkerSide
+from kvtier.keys import KeyNamespace
+from kvtier.store import TieredStore
+from tests.unit.test_connector_failsafe import FakeBlocks, FakeRequest
+
+BLOCK = 4
+
+
+@pytest.fixture
+def worker_and_tier(make_tier, capacity_for):
+    tier = make_tier(capacity_for(8, 4096), 4096)
+    w = WorkerSide(rank=0, num_blocks=16)
+    kv = torch.arange(16 * 2 * BLOCK * 8, dtype=torch.float32).reshape(16, 2, BLOCK, 8)
+    w.register_kv_caches({"l0": kv})
+    return w, tier, kv
+
+
+def save(w: WorkerSide, tier, step: int, block_id: int, slot: int, key: bytes) -> None:
+    plan = StepPlan(step=step, arena=tier.path, saves=[BlockCopy(block_id, slot, key)])
+    w.start_load_kv(plan)
+    w.wait_for_save(plan)
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.build_report().failed_slots == []
+
+
+def test_a_sealed_block_whose_bytes_changed_fails_its_checksum_and_drops_the_steps_saves(worker_and_tier):
+    w, tier, kv = worker_and_tier
+    save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
+    expected = kv[2].clone()
+    tier.rank_view(0, 0)[7] ^= 0x40  # the header still says sealed: only the checksum can tell
+    kv[9].zero_()
+    plan = StepPlan(step=1, arena=tier.path, loads=[BlockCopy(9, 0, b"a" * 16)],
+                    saves=[BlockCopy(3, 1, b"b" * 16), BlockCopy(4, 2, b"c" * 16)])
+    w.start_load_kv(plan)
+    assert w.get_block_ids_with_load_errors() == {9}
+    w.wait_for_save(plan)  # blocks 3 and 4 were computed beside a bad block: not kept
+    report = w.build_report()
+    assert report.corrupt_keys == [b"a" * 16]
+    assert report.failed_slots == [1, 2]
+    assert not tier.is_sealed(1, b"b" * 16) and not tier.is_sealed(2, b"c" * 16)
+    assert not torch.equal(kv[9], expected)  # copied, but reported: vLLM recomputes it
+
+
+def test_an_intact_block_loads_without_error(worker_and_tier):
+    w, tier, kv = worker_and_tier
+    save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
+    expected = kv[2].clone()
+    kv[9].zero_()
+    plan = StepPlan(step=1, arena=tier.path, loads=[BlockCopy(9, 0, b"a" * 16)])
+    w.start_load_kv(plan)
+    assert w.get_block_ids_with_load_errors() == set()
+    assert torch.equal(kv[9], expected)
+    assert w.build_report().corrupt_keys == []
+
+
+@pytest.fixture
+def side(make_tier, capacity_for) -> SchedulerSide:
+    tier = make_tier(capacity_for(32, 4096), 4096)
+    return SchedulerSide(TieredStore(tier), KeyNamespace("m", "torch.float32", "cpu", BLOCK), BLOCK, ranks=2)
+
+
+class Manager:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_blocks(self, req_id: str) -> FakeBlocks:
+        return FakeBlocks(self.ids)
+
+
+class Output:
+    def __init__(self, **sched: int) -> None:
+        self.num_scheduled_tokens = sched
+
+
+class StepOutput:
+    def __init__(self, report: StepReport | None, invalid: set[int] | None = None) -> None:
+        self.kv_connector_worker_meta = report
+        self.invalid_block_ids = invalid or set()
+
+
+def prefill(side: SchedulerSide, req: FakeRequest, block_ids: list[int]) -> StepPlan:
+    """Plan one step that computes the whole prompt of ``req`` (its full blocks are saved)."""
+    side.kv_cache_manager = Manager(block_ids)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    plan = side.build_connector_meta(Output(**{req.request_id: req.num_tokens}))
+    req.num_computed_tokens = req.num_tokens
+    return plan
+
+
+def test_keys_the_workers_found_corrupt_are_forgotten(side: SchedulerSide) -> None:
+    req = FakeRequest("r", list(range(3 * BLOCK + 1)))
+    plan = prefill(side, req, [1, 2, 3, 4])
+    assert len(plan.saves) == 3
+    side.update_connector_output(StepOutput(StepReport(done={plan.step: 2})))
+    keys = side._reqs["r"].keys
+    assert side.store.lookup(keys) == 3
+    side.update_connector_output(StepOutput(StepReport(corrupt_keys=[keys[1]])))
+    assert side.store.lookup(keys) == 1
+
+
+def test_a_step_reported_by_fewer_than_all_ranks_publishes_nothing(side: SchedulerSide) -> None:
+    req = FakeRequest("r", list(range(3 * BLOCK + 1)))
+    plan = prefill(side, req, [1, 2, 3, 4])
+    assert len(plan.saves) == 3
+    side.update_connector_output(StepOutput(StepReport(done={plan.step: 1})))  # one rank of two
+    assert side.store.lookup(side._reqs["r"].keys) == 0
+    assert side.store.statistics().used_slots == 0
+
+
+def test_saves_planned_after_a_failed_load_never_become_readable(side: SchedulerSide) -> None:
+    a = FakeRequest("a", list(range(3 * BLOCK + 1)))
+    b = FakeRequest("b", list(range(100, 100 + 3 * BLOCK + 1)))
+    first = prefill(side, a, [1, 2, 3, 4])
+    # Asynchronous scheduling: the next step is planned before the first one's output arrives.
+    second = prefill(side, b, [5, 6, 7, 8])
+    assert len(second.saves) == 3
+    # Step one failed a load; its workers dropped its saves. Step two may
+    # have attended to what step one computed from the bad block.
+    side.update_connector_output(StepOutput(StepReport(done={first.step: 2}, failed_slots=[
+        c.slot for c in first.saves]), invalid={1}))
+    side.update_connector_output(StepOutput(StepReport(done={second.step: 2})))
+    assert side.store.lookup(side._reqs["b"].keys) == 0
+    assert side.store.lookup(side._reqs["a"].keys) == 0
