@@ -1,0 +1,257 @@
+"""Seeded randomized correctness run: every greedy output with kvtier equals vLLM alone.
+
+Runs real vLLM CPU servers (float32, so that arithmetic noise can neither
+hide nor fake a divergence) on a small model built on the spot:
+
+1. vLLM alone answers every request: the reference;
+2. vLLM alone answers them all again at the same concurrency: the
+   comparison's own noise (must be 0 divergent, or the run proves nothing);
+3. vLLM with kvtier, a device cache, a DRAM tier and an SSD tier all far
+   smaller than the working set, answers them in the same order while the
+   run (a) flips bytes in every SSD slot a third of the way in, (b) restarts
+   the server on the same SSD file half way, (c) flips bytes in the DRAM
+   arena and, more sparsely, on SSD again two thirds of the way in.
+
+The workload mixes shared-prefix trees (a root prefix, branches extending it,
+leaves with their own suffix), partial prefixes (a earlier prompt cut at a
+token that is not a block boundary, with a new ending) and fresh prompts.
+
+    .venv/bin/python -m tests.stress.correctness --requests 1000 --concurrency 8
+
+prints a JSON summary; exit status 1 on any divergence, failed request or
+missing hit source. tests/stress/test_correctness.py runs a smaller one in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+BLOCK = 64
+MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class StressOptions:
+    requests: int = 1000
+    concurrency: int = 8
+    seed: int = 0
+    device_blocks: int = 40  # 2,560 tokens
+    dram_size: str = "16MB"  # ~31 blocks of the tiny model (512 KiB each in float32)
+    ssd_size: str = "96MB"  # ~190 blocks
+    workdir: str = ""
+    model: str = ""  # a model directory; empty: the tiny test model, built once
+
+
+def workload(n: int, seed: int, max_len: int) -> list[list[int]]:
+    """``n`` prompts (token ids) mixing prefix trees, partial prefixes and fresh prompts."""
+    rng = random.Random(seed)
+
+    def toks(k: int) -> list[int]:
+        return [rng.randrange(16, 900) for _ in range(k)]
+
+    roots: list[list[int]] = []
+    branches: list[list[int]] = []
+    prompts: list[list[int]] = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.15 or not roots:
+            roots.append(toks(BLOCK * rng.randint(3, 10)))
+            p = roots[-1] + toks(rng.randint(1, 150))
+        elif r < 0.35:
+            root = rng.choice(roots[-8:])  # recent trees: reuse while some of it is still held
+            branches.append(root + toks(BLOCK * rng.randint(1, 6)))
+            p = branches[-1] + toks(rng.randint(1, 150))
+        elif r < 0.6 and branches:
+            p = rng.choice(branches[-16:]) + toks(rng.randint(1, 200))
+        elif r < 0.8 and prompts:
+            base = rng.choice(prompts[-32:])
+            cut = rng.randint(1, len(base) - 1)
+            if cut % BLOCK == 0:
+                cut -= 1  # never on a block boundary: a partial block
+            p = base[:cut] + toks(rng.randint(1, 120))
+        else:
+            p = toks(rng.randint(20, 1500))
+        prompts.append(p[: max_len - MAX_TOKENS])
+    return prompts
+
+
+def ask(url: str, prompt: list[int]) -> tuple[list[int], str]:
+    r = httpx.post(url + "/v1/completions", timeout=600,
+                   json={"model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                         "ignore_eos": True, "return_token_ids": True})
+    if r.status_code != 200:
+        return [], f"HTTP {r.status_code}: {r.text[:200]}"
+    choice = r.json()["choices"][0]
+    return list(choice.get("token_ids") or []), choice["text"]
+
+
+def answer_all(url: str, prompts: list[list[int]], indexes: range, concurrency: int) -> dict[int, tuple]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        return dict(zip(indexes, pool.map(lambda i: ask(url, prompts[i]), indexes)))
+
+
+def flip_file(path: str, every_bytes: int, start: int, xor: int = 0x7F) -> int:
+    """Flip one byte every ``every_bytes`` from ``start`` on (fsynced, so direct I/O reads see it)."""
+    n = 0
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        for off in range(start, size, every_bytes):
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ xor]))
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    return n
+
+
+def flip_arena(log_text: str) -> int:
+    """Flip the sign-and-exponent byte of one float32 in every sealed slot of the server's arena."""
+    import re
+
+    from kvtier.tier.dram import DramTier
+
+    m = re.search(r"kvtier: DRAM tier (\S+?),", log_text)
+    if not m:
+        return 0
+    tier = DramTier.attach(m.group(1))
+    n = 0
+    try:
+        for slot in range(tier.num_slots):
+            if tier.header(slot).ready_mask:
+                tier.rank_view(slot, 0)[4 * 1000 + 3] ^= 0x7F
+                n += 1
+    finally:
+        tier.close()
+    return n
+
+
+def delta(after: dict, before: dict, key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+COUNTERS = ("vllm:external_prefix_cache_hits_total", 'vllm:prompt_tokens_cached_by_source_total{source="host"}',
+            'vllm:prompt_tokens_cached_by_source_total{source="disk"}', "kvtier_blocks_loaded_total",
+            "kvtier_load_errors_total", "kvtier_corrupt_blocks_total", "kvtier_ssd_corrupt_blocks_total",
+            "kvtier_blocks_promoted_total", "kvtier_blocks_demoted_total", "kvtier_evictions_total",
+            "kvtier_ssd_evictions_total", "kvtier_blocks_saved_total")
+
+
+def run(opts: StressOptions) -> dict:
+    from kvtier.tools.model import build_model
+    from kvtier.tools.server import VllmServer
+    from tests.e2e.conftest import server_options
+
+    work = Path(opts.workdir or tempfile.mkdtemp(prefix="kvtier-stress-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = opts.model or str(build_model("tiny", cache_dir=os.environ.get("KVTIER_MODEL_CACHE")))
+    plain = server_options(model, None, num_gpu_blocks=opts.device_blocks, max_num_seqs=opts.concurrency)
+    prompts = workload(opts.requests, opts.seed, plain.model_len())
+    every = range(len(prompts))
+    t0 = time.monotonic()
+    with VllmServer(plain, log_path=work / "plain.log") as srv:
+        reference = answer_all(srv.url, prompts, every, opts.concurrency)
+        replay = answer_all(srv.url, prompts, every, opts.concurrency)
+        srv.reset_prefix_cache()
+    t_plain = time.monotonic() - t0
+
+    ssd = work / "ssd.img"
+    if ssd.exists():
+        ssd.unlink()
+    cfg = {"dram_size": opts.dram_size, "ssd_path": str(ssd), "ssd_size": opts.ssd_size}
+    kv_opts = server_options(model, cfg, num_gpu_blocks=opts.device_blocks, max_num_seqs=opts.concurrency)
+    n = len(prompts)
+    third, half, two_thirds = n // 3, n // 2, 2 * n // 3
+    faults: dict[str, int] = {}
+    totals: dict[str, float] = {}
+    got: dict[int, tuple] = {}
+
+    def add(before: dict, after: dict) -> None:
+        for k in COUNTERS:
+            totals[k] = totals.get(k, 0.0) + delta(after, before, k)
+
+    t0 = time.monotonic()
+    with VllmServer(kv_opts, log_path=work / "kvtier-1.log") as srv:
+        m0 = srv.metrics()
+        got.update(answer_all(srv.url, prompts, range(0, third), opts.concurrency))
+        # Every SSD slot gets flipped bytes (one every 96 KiB past the first 64 KiB).
+        faults["ssd bytes flipped (1)"] = flip_file(str(ssd), 96 << 10, 64 << 10)
+        got.update(answer_all(srv.url, prompts, range(third, half), opts.concurrency))
+        add(m0, srv.metrics())
+    faults["restarts"] = 1
+    with VllmServer(kv_opts, log_path=work / "kvtier-2.log") as srv:
+        recovered = srv.log_text()
+        m0 = srv.metrics()
+        got.update(answer_all(srv.url, prompts, range(half, two_thirds), opts.concurrency))
+        faults["dram slots flipped"] = flip_arena(srv.log_text())
+        faults["ssd bytes flipped (2)"] = flip_file(str(ssd), 1 << 20, 200 << 10)
+        got.update(answer_all(srv.url, prompts, range(two_thirds, n), opts.concurrency))
+        add(m0, srv.metrics())
+        alive = srv.proc is not None and srv.proc.poll() is None
+    t_kvtier = time.monotonic() - t0
+    ssd.unlink()
+
+    failed = sum(1 for i in every if not reference[i][0] or not got[i][0] or not replay[i][0])
+    noise = sum(1 for i in every if reference[i] != replay[i])
+    divergent = [i for i in every if reference[i] != got[i]]
+    summary = {
+        "requests": n, "concurrency": opts.concurrency, "seed": opts.seed,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "failed_requests": failed, "noise_divergent (vLLM alone vs itself)": noise,
+        "divergent (kvtier vs vLLM alone)": len(divergent), "first_divergent": divergent[:10],
+        "engine_alive": alive, "recovered_line": "blocks recovered" in recovered, "faults": faults,
+        "counters": {k: int(v) for k, v in totals.items()},
+        "seconds": {"vllm_alone_two_passes": round(t_plain), "kvtier": round(t_kvtier)},
+    }
+    return summary
+
+
+def verdict(s: dict) -> list[str]:
+    """What is wrong with a run's summary (empty: a pass)."""
+    c = s["counters"]
+    problems = []
+    if s["failed_requests"]:
+        problems.append(f"{s['failed_requests']} requests failed")
+    if s["noise_divergent (vLLM alone vs itself)"]:
+        problems.append("vLLM alone is not deterministic at this concurrency: the comparison proves nothing")
+    if s["divergent (kvtier vs vLLM alone)"]:
+        problems.append(f"{s['divergent (kvtier vs vLLM alone)']} outputs differ from vLLM alone")
+    if not s["engine_alive"]:
+        problems.append("the engine died")
+    for src in ("host", "disk"):
+        if not c.get(f'vllm:prompt_tokens_cached_by_source_total{{source="{src}"}}'):
+            problems.append(f"no hits from {src}: that tier was not exercised")
+    if not c.get("kvtier_ssd_corrupt_blocks_total"):
+        problems.append("no flipped SSD block was ever read: the fault was not exercised")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=StressOptions.requests)
+    ap.add_argument("--concurrency", type=int, default=StressOptions.concurrency)
+    ap.add_argument("--seed", type=int, default=StressOptions.seed)
+    ap.add_argument("--workdir", default="")
+    args = ap.parse_args()
+    s = run(StressOptions(requests=args.requests, concurrency=args.concurrency, seed=args.seed,
+                          workdir=args.workdir))
+    problems = verdict(s)
+    s["verdict"] = problems or "pass"
+    print(json.dumps(s, indent=2))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Soak: concurrent streams for minutes under constant eviction on both tiers.
+
+One vLLM CPU server with kvtier (tiny model, small device cache, a DRAM tier
+of ~31 blocks and an SSD tier of ~120 blocks under a working set of 2,400
+blocks, so both tiers evict all the time) serves ``--streams`` clients that
+each send request after request until ``--minutes`` are up. Every
+``--interval`` seconds the run samples the server's processes (resident
+memory, open files), the shared-memory files of kvtier in /dev/shm, and the
+requests finished in the interval.
+
+    .venv/bin/python -m tests.stress.soak --streams 32 --minutes 10
+
+Verdict (after the warm-up, the first ``--warmup`` intervals): resident
+memory flat (the last sample within 5 % of the first), open files and
+shared-memory files constant, no interval without a finished request (no
+stall), throughput steady (no interval under half the median), no request
+failed. Prints a table and a JSON summary; exit status 1 on a failed verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+BLOCK = 64
+
+
+def rss_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def open_files(pids: list[int]) -> int:
+    n = 0
+    for pid in pids:
+        try:
+            n += len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            pass
+    return n
+
+
+def shm_files() -> int:
+    return sum(1 for name in os.listdir("/dev/shm") if name.startswith("kvtier-"))
+
+
+def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: str, model: str = "") -> dict:
+    from kvtier.tools.model import build_model
+    from kvtier.tools.server import VllmServer
+    from tests.e2e.conftest import server_options
+
+    work = Path(workdir or tempfile.mkdtemp(prefix="kvtier-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = model or str(build_model("tiny", cache_dir=os.environ.get("KVTIER_MODEL_CACHE")))
+    ssd = work / "ssd.img"
+    cfg = {"dram_size": "16MB", "ssd_path": str(ssd), "ssd_size": "64MB", "force_new_disk": True}
+    opts = server_options(model, cfg, num_gpu_blocks=128, max_num_seqs=streams)
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(16, 900) for _ in range(BLOCK * 8)] for _ in range(300)]
+    done: list[float] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def stream(i: int) -> None:
+        r = random.Random(i)
+        with httpx.Client(timeout=300) as client:
+            while not stop.is_set():
+                # Skewed reuse: a few hot prefixes, a long tail that keeps both tiers evicting.
+                p = prefixes[min(int(r.paretovariate(0.6)) - 1, len(prefixes) - 1)] if r.random() < 0.5 \
+                    else r.choice(prefixes)
+                prompt = p + [r.randrange(16, 900) for _ in range(r.randint(1, 100))]
+                try:
+                    resp = client.post(url + "/v1/completions", json={
+                        "model": "model", "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+                        "ignore_eos": True})
+                    ok = resp.status_code == 200
+                except httpx.HTTPError as err:
+                    ok, resp = False, err
+                with lock:
+                    if ok:
+                        done.append(time.monotonic())
+                    else:
+                        failures.append(str(resp)[:200])
+
+    samples = []
+    with VllmServer(opts, log_path=work / "soak.log") as srv:
+        url = srv.url
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        end = t0 + minutes * 60
+        last = t0
+        while time.monotonic() < end:
+            time.sleep(min(interval_s, max(0.0, end - time.monotonic())))
+            now = time.monotonic()
+            pids = srv.pids()
+            with lock:
+                finished = sum(1 for t in done if last < t <= now)
+            m = srv.metrics()
+            samples.append({"t_s": round(now - t0), "requests": finished,
+                            "req_per_s": round(finished / (now - last), 2),
+                            "rss_mib": round(rss_bytes(pids) / (1 << 20)), "open_files": open_files(pids),
+                            "shm_files": shm_files(),
+                            "dram_evictions": int(m.get("kvtier_evictions_total", 0)),
+                            "ssd_evictions": int(m.get("kvtier_ssd_evictions_total", 0)),
+                            "disk_hit_tokens": int(m.get(
+                                'vllm:prompt_tokens_cached_by_source_total{source="disk"}', 0))})
+            last = now
+            print(json.dumps(samples[-1]), flush=True)
+        stop.set()
+        for t in threads:
+            t.join(timeout=330)
+        alive = srv.proc is not None and srv.proc.poll() is None
+    if ssd.exists():
+        ssd.unlink()
+    return {"streams": streams, "minutes": minutes, "samples": samples, "failures": len(failures),
+            "first_failures": failures[:3], "engine_alive": alive, "warmup_intervals": warmup}
+
+
+def verdict(s: dict) -> list[str]:
+    after = s["samples"][s["warmup_intervals"]:]
+    problems = []
+    if not after:
+        return ["no samples after the warm-up"]
+    if s["failures"]:
+        problems.append(f"{s['failures']} requests failed")
+    if not s["engine_alive"]:
+        problems.append("the engine died")
+    if after[-1]["rss_mib"] > after[0]["rss_mib"] * 1.05:
+        problems.append(f"resident memory grew from {after[0]['rss_mib']} to {after[-1]['rss_mib']} MiB")
+    for key in ("open_files", "shm_files"):
+        values = {x[key] for x in after}
+        if len(values) > 1:
+            problems.append(f"{key} not constant: {sorted(values)}")
+    if any(x["requests"] == 0 for x in after):
+        problems.append("an interval finished no request (stall)")
+    med = statistics.median(x["req_per_s"] for x in after)
+    if any(x["req_per_s"] < med / 2 for x in after):
+        problems.append(f"throughput fell under half its median ({med} req/s)")
+    first, last = after[0], after[-1]
+    if last["dram_evictions"] <= first["dram_evictions"] or last["ssd_evictions"] <= first["ssd_evictions"]:
+        problems.append("a tier did not evict during the run: not under pressure")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--interval", type=float, default=30.0, help="seconds between samples")
+    ap.add_argument("--warmup", type=int, default=2, help="intervals left out of the verdict")
+    ap.add_argument("--workdir", default="")
+    args = ap.parse_args()
+    s = soak(args.streams, args.minutes, args.interval, args.warmup, args.workdir)
+    problems = verdict(s)
+    s["verdict"] = problems or "pass"
+    print(json.dumps({k: v for k, v in s.items() if k != "samples"}, indent=2))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
