@@ -32,7 +32,7 @@ import httpx
 import xxhash
 
 from kvtier.tier.dram import DramTier
-from kvtier.tier.ssd import BlockRecord, SsdTier
+from kvtier.tier.ssd import BlockRecord, SsdTier, slots_for, table_pages
 from kvtier.tools.client import stream_completion
 from kvtier.tools.model import build_model
 from kvtier.tools.server import ServerOptions, VllmServer
@@ -61,8 +61,8 @@ def raw_throughput(path: str, blocks: int, threads: int, slot_bytes: int,
     ordering and no checksums."""
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
     try:
-        n = (os.fstat(fd).st_size - 4096) // (4096 + slot_bytes)  # the tier's layout: header table, then data
-        offsets = [4096 + n * 4096 + s * slot_bytes for s in range(blocks)]
+        n = slots_for(os.fstat(fd).st_size, slot_bytes)  # the tier's layout: header table, then data
+        offsets = [4096 + table_pages(n) * 4096 + s * slot_bytes for s in range(blocks)]
         shares = [list(range(t, blocks, threads)) for t in range(threads)]
 
         def write(idx: list[int]) -> None:
@@ -98,8 +98,8 @@ def tier_throughput(path: str, blocks: int, threads: int, batch: int = 16) -> tu
             for s in range(blocks):
                 dram.slot_buffer(s)[:] = rnd[s % 97:] + rnd[: s % 97]
             locs = ssd.locations()[:blocks]
-            recs = [BlockRecord(s.to_bytes(16, "little"), s + 1, xxhash.xxh3_64_intdigest(dram.slot_buffer(s)), 1,
-                                (0,) * 8) for s in range(blocks)]
+            recs = [BlockRecord(s.to_bytes(16, "little"), s + 1, xxhash.xxh3_64_intdigest(dram.slot_buffer(s)))
+                    for s in range(blocks)]
             jobs = [list(range(i, min(i + batch, blocks))) for i in range(0, blocks, batch)]
             with ThreadPoolExecutor(threads) as pool:
                 t = time.perf_counter()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tier import DramTier
-from kvtier.tier.ssd import BlockRecord, IoOps, SsdLocation, SsdTier
+from kvtier.tier.ssd import IoOps, Recovered, SsdTier
 
 SHM_DIR = "/dev/shm"
 
@@ -71,27 +71,34 @@ def capacity_for() -> Callable[..., int]:
 # --- SSD tier -------------------------------------------------------------------
 
 PAGE = 4096
+HEADER = 64  # bytes of one slot header
+HEADERS_PER_PAGE = PAGE // HEADER
+
+
+def ssd_table_bytes(num_slots: int) -> int:
+    """Bytes of the header table of a path of ``num_slots`` slots: whole pages of 64 headers."""
+    return -(-num_slots // HEADERS_PER_PAGE) * PAGE
 
 
 def ssd_offsets(slot_bytes: int, slot: int, num_slots: int) -> tuple[int, int]:
     """(header offset, data offset) of ``slot`` in an SSD path of ``num_slots``
-    slots, from the documented layout: a 4 KiB superblock, a table of 4 KiB
-    headers, then the slots' data."""
-    return PAGE + slot * PAGE, PAGE + num_slots * PAGE + slot * slot_bytes
+    slots, from the documented layout: a 4 KiB superblock, a table of
+    64-byte headers in whole pages, then the slots' data."""
+    return PAGE + slot * HEADER, PAGE + ssd_table_bytes(num_slots) + slot * slot_bytes
 
 
 def ssd_path_bytes(slots_per_path: int, slot_bytes: int) -> int:
     """Size of one SSD path that holds exactly ``slots_per_path`` slots."""
-    return PAGE + slots_per_path * (PAGE + slot_bytes)
+    return PAGE + ssd_table_bytes(slots_per_path) + slots_per_path * slot_bytes
 
 
-Recovered = list[tuple[SsdLocation, BlockRecord]]
+__all__ = ["Recovered"]  # re-exported for the tests' type hints
 
 
 @pytest.fixture
 def make_ssd(tmp_path: Path) -> Iterator[Callable[..., tuple[SsdTier, Recovered]]]:
     """``make_ssd(slots_per_path, slot_bytes, num_paths=1, *, io=None,
-    force_new=False, size_bytes=None)`` opens an SSD tier on files
+    force_new=False, size_bytes=None, fingerprint=b"")`` opens an SSD tier on files
     ``ssd0.bin``, ``ssd1.bin``, ... in ``tmp_path``, created with room for
     ``slots_per_path`` slots each unless ``size_bytes`` says otherwise.
     Calling it again with the same ``num_paths`` opens the same files (a
@@ -100,11 +107,12 @@ def make_ssd(tmp_path: Path) -> Iterator[Callable[..., tuple[SsdTier, Recovered]
     opened: list[SsdTier] = []
 
     def make(slots_per_path: int, slot_bytes: int, num_paths: int = 1, *, io: IoOps | None = None,
-             force_new: bool = False, size_bytes: int | None = None):
+             force_new: bool = False, size_bytes: int | None = None, fingerprint: bytes = b""):
         paths = [str(tmp_path / f"ssd{i}.bin") for i in range(num_paths)]
         if size_bytes is None:
             size_bytes = num_paths * ssd_path_bytes(slots_per_path, slot_bytes)
-        tier, recovered = SsdTier.open(paths, size_bytes, slot_bytes, force_new=force_new, io=io)
+        tier, recovered = SsdTier.open(paths, size_bytes, slot_bytes, force_new=force_new, io=io,
+                                       fingerprint=fingerprint)
         opened.append(tier)
         return tier, recovered
 

@@ -41,7 +41,7 @@ def test_prepare_refuses_more_than_the_free_space(tmp_path: Path) -> None:
 def test_check_reports_a_usable_file_and_leaves_its_bytes_unchanged(tmp_path: Path) -> None:
     path = tmp_path / "a.img"
     prepare(str(path), 8 * MiB)
-    data = os.urandom(8 * MiB)
+    data = bytes(64 << 10) + os.urandom(8 * MiB - (64 << 10))  # zeros where the SSD tier looks
     path.write_bytes(data)
     rep = check(str(path), bench_bytes=4 * MiB)
     assert rep.ok, rep.problems
@@ -108,7 +108,7 @@ def test_loop_device_prepare_check_use_release(tmp_path: Path) -> None:
         # The SSD tier accepts the device, and holds it exclusively while open.
         tier, recovered = SsdTier.open([dev], None, 4096)
         try:
-            assert recovered == [] and tier.num_slots > 0
+            assert len(recovered) == 0 and tier.num_slots > 0
             with pytest.raises(ConfigError, match="busy|held"):
                 SsdTier.open([dev], None, 4096)
             assert not check(dev, bench_bytes=0).exclusive
@@ -150,3 +150,31 @@ def test_cli_prepare_check_release(tmp_path: Path, capsys: pytest.CaptureFixture
     assert f"deleted {path}" in capsys.readouterr().out and not os.path.exists(path)
     assert cli_main(["disk", "prepare", path, "--size", "lots"]) == 2
     assert "--size" in capsys.readouterr().err
+
+
+def test_prepare_force_makes_a_path_with_other_data_usable(tmp_path: Path) -> None:
+    path = tmp_path / "old.img"
+    path.write_bytes(os.urandom(MiB))  # someone's data: the SSD tier refuses it, check says so
+    rep = check(str(path), bench_bytes=0)
+    assert not rep.ok and any("not kvtier's" in p for p in rep.problems)
+    with pytest.raises(ConfigError, match="not kvtier's"):
+        SsdTier.open([str(path)], None, 4096)
+    assert prepare(str(path), 2 * MiB, force=True) == str(path)
+    assert path.read_bytes()[: 64 << 10] == bytes(64 << 10)
+    assert check(str(path), bench_bytes=0).ok
+    tier, recovered = SsdTier.open([str(path)], None, 4096)
+    tier.close()
+    assert len(recovered) == 0
+    # A prepared file that holds a tier keeps passing the check.
+    assert check(str(path), bench_bytes=0).ok
+
+
+def test_prepare_force_refuses_a_path_in_use(tmp_path: Path) -> None:
+    path = tmp_path / "a.img"
+    tier, _ = SsdTier.open([str(path)], 2 * MiB, 4096)
+    try:
+        with pytest.raises(ConfigError, match="in use"):
+            prepare(str(path), 2 * MiB, force=True)
+        assert path.read_bytes()[:8] == b"KVTSSD01"
+    finally:
+        tier.close()

@@ -14,6 +14,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -22,13 +23,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 
 from kvtier.errors import ConfigError, TierIOError
 from kvtier.tier import ssd as ssd_module
 from kvtier.tier.ssd import BlockRecord, IoOps, SsdLocation, SsdTier
-from tests.unit.conftest import PAGE, ssd_offsets, ssd_path_bytes
+from tests.unit.conftest import HEADERS_PER_PAGE, PAGE, ssd_offsets, ssd_path_bytes
+
+SNIFF = 64 << 10  # the start of a path that must be zeros (or kvtier's) for it to be formatted
 
 SLOT = 2 * PAGE
 PER_PATH = 4  # slots per path
@@ -50,8 +54,8 @@ def aligned(data: bytes) -> memoryview:
     return memoryview(buf)
 
 
-def record(key: bytes, seq: int, checks: tuple[int, ...] = (11, 22)) -> BlockRecord:
-    return BlockRecord(key, seq, xxhash.xxh3_64_intdigest(block_data(key, seq)), 0b1, checks)
+def record(key: bytes, seq: int) -> BlockRecord:
+    return BlockRecord(key, seq, xxhash.xxh3_64_intdigest(block_data(key, seq)))
 
 
 def put(tier: SsdTier, blocks: dict[SsdLocation, tuple[bytes, int]],
@@ -65,11 +69,6 @@ def put(tier: SsdTier, blocks: dict[SsdLocation, tuple[bytes, int]],
 def read_back(tier: SsdTier, loc: SsdLocation, rec: BlockRecord) -> bytes | None:
     buf = mmap.mmap(-1, tier.slot_bytes)
     return bytes(buf) if tier.read(loc, rec, memoryview(buf)) else None
-
-
-def padded(rec: BlockRecord) -> BlockRecord:
-    """``rec`` as recovery reports it: DRAM checksums padded to 8 ranks."""
-    return replace(rec, dram_checksums=rec.dram_checksums + (0,) * (8 - len(rec.dram_checksums)))
 
 
 def flip_byte(path: str, offset: int) -> None:
@@ -88,7 +87,7 @@ def flip_byte(path: str, offset: int) -> None:
 
 def test_open_creates_and_preallocates_files_split_over_paths(make_ssd, tmp_path: Path) -> None:
     tier, recovered = make_ssd(PER_PATH, SLOT, num_paths=2)
-    assert recovered == []
+    assert list(recovered) == []
     assert tier.paths == [str(tmp_path / "ssd0.bin"), str(tmp_path / "ssd1.bin")]
     assert (tier.num_slots, tier.slot_bytes) == (2 * PER_PATH, SLOT)
     for path in tier.paths:
@@ -144,7 +143,7 @@ def test_reopen_recovers_blocks(make_ssd) -> None:
     recs = put(tier, {locs[i]: (K(i), 10 + i) for i in range(5)})
     tier.close()
     tier, recovered = make_ssd(PER_PATH, SLOT, num_paths=2)
-    assert sorted(recovered, key=lambda lr: lr[1].seq) == [(loc, padded(rec)) for loc, rec in recs.items()]
+    assert sorted(recovered, key=lambda lr: lr[1].seq) == list(recs.items())
     for loc, rec in recovered:
         assert read_back(tier, loc, rec) == block_data(rec.key, rec.seq)
     assert tier.next_seq() > 14  # sequence numbers go on from the newest block on disk
@@ -157,23 +156,26 @@ def test_force_new_forgets_everything(make_ssd) -> None:
     assert len(recs) == tier.num_slots
     tier, recovered = make_ssd(PER_PATH, SLOT, force_new=True)
     # Recovery is the only way an index learns of a block: none is left to read.
-    assert recovered == []
+    assert list(recovered) == []
     tier.close()
     # The new format is what is on disk now: a plain reopen recovers nothing either.
-    assert make_ssd(PER_PATH, SLOT)[1] == []
+    assert list(make_ssd(PER_PATH, SLOT)[1]) == []
 
 
-def test_other_slot_size_reformats(make_ssd) -> None:
+def test_other_slot_size_reformats(make_ssd, caplog: pytest.LogCaptureFixture) -> None:
     tier, _ = make_ssd(PER_PATH, SLOT)
     put(tier, {loc: (K(i), i + 1) for i, loc in enumerate(tier.locations())})
     tier.close()
     # Same files, half the slot size: slot 0's header is at the same offset.
+    caplog.set_level("INFO", logger="kvtier.tier.ssd")
     tier, recovered = make_ssd(PER_PATH, PAGE, size_bytes=ssd_path_bytes(PER_PATH, SLOT))
-    assert recovered == []
+    assert list(recovered) == []
     assert tier.slot_bytes == PAGE
+    [line] = [r.getMessage() for r in caplog.records if "starts empty" in r.getMessage()]
+    assert f"another slot geometry ({PER_PATH} slots of {SLOT} bytes, now 8 of {PAGE})" in line
     tier.close()
     # Back to the first size: reformatted again, the first blocks stay forgotten.
-    assert make_ssd(PER_PATH, SLOT)[1] == []
+    assert list(make_ssd(PER_PATH, SLOT)[1]) == []
 
 
 def test_flipped_data_byte_fails_read(make_ssd) -> None:
@@ -199,7 +201,7 @@ def test_flipped_header_byte_drops_the_block(make_ssd) -> None:
     tier, recovered = make_ssd(PER_PATH, SLOT, num_paths=2)
     assert {loc for loc, _ in recovered} == set(recs) - {bad}
     for loc, rec in recovered:
-        assert rec == padded(recs[loc])
+        assert rec == recs[loc]
 
 
 # --- reuse of slots ---------------------------------------------------------------
@@ -229,7 +231,7 @@ def test_failed_write_into_reused_slot_leaves_no_old_header(make_ssd) -> None:
         put(tier, {loc: (K(9), 2)}, reused=[loc])
     tier.close()
     _, recovered = make_ssd(PER_PATH, SLOT)
-    assert recovered == []
+    assert list(recovered) == []
 
 
 # --- faults at the OS boundary -----------------------------------------------------
@@ -277,11 +279,18 @@ class FaultIo(IoOps):
             return
         super().fdatasync(fd)
 
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        self._fire("fallocate")
+        super().fallocate(fd, offset, length)
+
 
 # One batch of 2 blocks in neighbouring slots, one of them reused, on one
 # path: pwritev 0 is the empty header, 1-2 the data, 3 both headers (one
-# request for the run); fdatasync 0-2 one per phase.
+# request: they share a page); fdatasync 0-2 one per phase; preadv 0 and 1
+# read the header page before each header write (O_DIRECT writes whole pages).
 @pytest.mark.parametrize(("op", "nth", "err"), [
+    ("preadv", 0, errno.EIO),
+    ("preadv", 1, None),  # short read of the header page: nothing is written over it
     ("pwritev", 0, errno.ENOSPC),
     ("pwritev", 1, errno.ENOSPC),
     ("pwritev", 2, errno.EIO),
@@ -397,7 +406,13 @@ def test_file_too_small_for_one_slot_is_refused(tmp_path: Path) -> None:
         SsdTier.open([path], PAGE + SLOT, SLOT)  # room for the superblock and the data, not the header
     assert info.value.value == path
     assert "too small" in str(info.value)
+    assert not os.path.exists(path)  # made by this start: removed on the way out
+    with open(path, "wb") as f:
+        f.write(bytes(PAGE + SLOT))
+    with pytest.raises(ConfigError, match="too small"):
+        SsdTier.open([path], None, SLOT)
     assert _unlocked(path)  # closed on the way out
+    assert os.path.getsize(path) == PAGE + SLOT  # not made by this start: left alone
 
 
 def _unlocked(path: str) -> bool:
@@ -534,6 +549,16 @@ _CRASH_CHILD = textwrap.dedent("""
                 self.cache.setdefault(fd, []).append((offset + at, data[at : at + 4096]))
             return len(data)
 
+        def preadv(self, fd, buffers, offset):
+            # A read sees what this process wrote, synced or not (the page
+            # cache): the header writes read their pages before writing them.
+            n = os.preadv(fd, buffers, offset)
+            [buf] = buffers
+            for at, data in self.cache.get(fd, []):
+                if offset <= at < offset + len(buf):
+                    buf[at - offset : at - offset + len(data)] = data
+            return n
+
         def fdatasync(self, fd):
             self._tick()
             for offset, data in self.cache.pop(fd, []):
@@ -553,7 +578,7 @@ _CRASH_CHILD = textwrap.dedent("""
         for p, s, key_hex, seq in batch["items"]:
             key = bytes.fromhex(key_hex)
             data = hashlib.shake_256(key + seq.to_bytes(8, "little")).digest(slot_bytes)  # block_data()
-            rec = ssd.BlockRecord(key, seq, xxhash.xxh3_64_intdigest(data), 1, (seq,))
+            rec = ssd.BlockRecord(key, seq, xxhash.xxh3_64_intdigest(data))
             items.append((ssd.SsdLocation(p, s), rec, aligned(data)))
         tier.write(items, [ssd.SsdLocation(p, s) for p, s in batch["reused"]])
         print("done", i, flush=True)
@@ -565,21 +590,25 @@ Loc = tuple[int, int]
 Batch = tuple[dict[Loc, tuple[bytes, int]], list[Loc]] | tuple[dict[Loc, tuple[bytes, int]], list[Loc], str]
 RESET = "invalidate"
 
-CRASH_PER_PATH = 6
+CRASH_PER_PATH = 130  # a header table of 3 pages per path
+# The slots used, on header pages 0, 0, 0, 1, 1, 2: a batch's header request
+# spans two pages, so the crash can tear it between them.
+S = (0, 1, 63, 64, 65, 128)
 # Written by the parent before each child: K(0..7) over both paths, seq 1..8.
-_SETUP: dict[Loc, tuple[bytes, int]] = {(i % 2, i // 2): (K(i), i + 1) for i in range(8)}
+_SETUP: dict[Loc, tuple[bytes, int]] = {(i % 2, S[i // 2]): (K(i), i + 1) for i in range(8)}
 _N = [K(100 + i) for i in range(5)]
 # One batch after an earlier write: two slots evicted and reused by new keys,
 # a newer copy of K(2) in a fresh slot, a newer copy of K(3) into its own slot.
 _ONE_BATCH: list[Batch] = [
-    ({(0, 0): (_N[0], 9), (1, 0): (_N[1], 10), (0, 4): (K(2), 11), (1, 1): (K(3), 12), (1, 4): (_N[2], 13)},
-     [(0, 0), (1, 0), (1, 1)]),
+    ({(0, S[0]): (_N[0], 9), (1, S[0]): (_N[1], 10), (0, S[4]): (K(2), 11), (1, S[1]): (K(3), 12),
+      (1, S[4]): (_N[2], 13)},
+     [(0, S[0]), (1, S[0]), (1, S[1])]),
 ]
 # Evict then reuse, twice: batch 1 reuses a slot batch 0 filled, K(0) comes
 # back into another key's slot, K(2)'s slot goes to a new key.
 _SEQUENCE: list[Batch] = [
-    ({(0, 0): (_N[0], 9), (1, 0): (_N[1], 10), (0, 4): (_N[2], 11)}, [(0, 0), (1, 0)]),
-    ({(1, 0): (K(0), 12), (0, 1): (_N[3], 13), (1, 4): (_N[0], 14)}, [(1, 0), (0, 1)]),
+    ({(0, S[0]): (_N[0], 9), (1, S[0]): (_N[1], 10), (0, S[4]): (_N[2], 11)}, [(0, S[0]), (1, S[0])]),
+    ({(1, S[0]): (K(0), 12), (0, S[1]): (_N[3], 13), (1, S[4]): (_N[0], 14)}, [(1, S[0]), (0, S[1])]),
 ]
 
 
@@ -590,15 +619,15 @@ def _is_reset(batch: Batch) -> bool:
 # An operator's reset in the middle: three blocks' headers emptied, then a
 # write that reuses one of those slots.
 _WITH_RESET: list[Batch] = [
-    ({}, [(0, 1), (1, 1), (0, 3)], RESET),
-    ({(1, 1): (_N[4], 9), (0, 5): (_N[0], 10)}, [(1, 1)]),
+    ({}, [(0, S[1]), (1, S[1]), (0, S[3])], RESET),
+    ({(1, S[1]): (_N[4], 9), (0, S[5]): (_N[0], 10)}, [(1, S[1])]),
 ]
 
 
 def _runs(locs) -> int:
-    """Header requests for ``locs``: one per run of neighbouring slots of a path."""
-    s = sorted(locs)
-    return sum(1 for i, (p, slot) in enumerate(s) if i == 0 or s[i - 1] != (p, slot - 1))
+    """Header requests for ``locs``: one per run of neighbouring header pages of a path."""
+    s = sorted({(p, slot // HEADERS_PER_PAGE) for p, slot in locs})
+    return sum(1 for i, (p, page) in enumerate(s) if i == 0 or s[i - 1] != (p, page - 1))
 
 
 def _io_calls(batch: Batch) -> int:
@@ -697,17 +726,17 @@ def test_crash_at_every_io_call_leaves_only_verified_blocks(tmp_path: Path, batc
     assert found == final
 
 
-def test_a_header_recovery_cannot_read_is_marked_for_rewrite(make_ssd) -> None:
-    tier, _ = make_ssd(PER_PATH, SLOT)
-    locs = tier.locations()
-    put(tier, {locs[0]: (K(0), 1), locs[1]: (K(1), 2)})
+def test_a_header_page_recovery_cannot_read_is_marked_for_rewrite(make_ssd) -> None:
+    per_path = HEADERS_PER_PAGE + 6  # a table of two pages
+    tier, _ = make_ssd(per_path, SLOT)
+    put(tier, {SsdLocation(0, s): (K(s), s + 1) for s in (0, 63, 64, 65)})
     tier.close()
 
     class BadSector(IoOps):
-        """Every read that touches slot 1's header page fails, as on a bad sector."""
+        """Every read that touches the second header page fails, as on a bad sector."""
 
         def __init__(self) -> None:
-            self.bad = ssd_offsets(SLOT, 1, PER_PATH)[0]
+            self.bad = PAGE + PAGE
             self.failed = 0
 
         def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
@@ -717,8 +746,209 @@ def test_a_header_recovery_cannot_read_is_marked_for_rewrite(make_ssd) -> None:
             return super().preadv(fd, buffers, offset)
 
     io = BadSector()
-    tier, recovered = make_ssd(PER_PATH, SLOT, io=io)
-    # The table read in one request fails; header by header, only slot 1's does.
+    tier, recovered = make_ssd(per_path, SLOT, io=io)
+    # The table read in one request fails; page by page, only the second one does.
     assert io.failed == 2
-    assert [rec.key for _, rec in recovered] == [K(0)]
-    assert tier.unreadable == {locs[1]}
+    assert sorted(rec.key for _, rec in recovered) == [K(0), K(63)]
+    # Every slot whose header is on that page (64 .. 69) is rewritten before reuse.
+    assert tier.unreadable == {SsdLocation(0, s) for s in range(64, per_path)}
+
+
+# --- what start-up may format, and what it leaves behind -----------------------------------
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_file_holding_other_data_is_refused_and_left_byte_identical(tmp_path: Path) -> None:
+    path = tmp_path / "photos.img"
+    path.write_bytes(bytes(SNIFF - 1) + b"\x01" + os.urandom(1 << 20))  # one byte set in the first 64 KiB
+    before = sha(path)
+    for size in (None, 4 << 20):  # also when ssd_size asks for a larger file
+        with pytest.raises(ConfigError) as info:
+            SsdTier.open([str(path)], size, SLOT)
+        assert (info.value.key, info.value.value) == ("ssd_path", str(path))
+        assert "not kvtier's" in str(info.value) and "force_new_disk" in str(info.value)
+        assert "kvtier disk prepare" in str(info.value)
+        assert sha(path) == before and _unlocked(str(path))
+    # Named with force_new, it is formatted.
+    tier, recovered = SsdTier.open([str(path)], None, SLOT, force_new=True)
+    tier.close()
+    assert len(recovered) == 0 and path.read_bytes()[:8] == b"KVTSSD01"
+
+
+def test_a_file_of_zeros_is_formatted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "zeros.img"
+    path.write_bytes(bytes(SNIFF) + os.urandom(1 << 20))  # only the start must be zeros
+    caplog.set_level("INFO", logger="kvtier.tier.ssd")
+    tier, recovered = SsdTier.open([str(path)], None, SLOT)
+    tier.close()
+    assert len(recovered) == 0 and path.read_bytes()[:8] == b"KVTSSD01"
+    assert any(f"{path} is new" in r.getMessage() for r in caplog.records)
+
+
+def test_kvtier_disk_of_an_older_format_starts_empty(make_ssd, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT)
+    put(tier, {tier.locations()[0]: (K(1), 1)})
+    tier.close()
+    path = tmp_path / "ssd0.bin"
+    with open(path, "r+b") as f:  # the superblock of format 2: same magic, version 2
+        f.seek(8)
+        f.write((2).to_bytes(4, "little"))
+    caplog.set_level("INFO", logger="kvtier.tier.ssd")
+    tier, recovered = make_ssd(PER_PATH, SLOT)
+    assert len(recovered) == 0
+    [line] = [r.getMessage() for r in caplog.records if "starts empty" in r.getMessage()]
+    assert "holds SSD tier format 2, this is format 3" in line
+
+
+def test_another_layout_fingerprint_starts_the_tier_empty(make_ssd, caplog: pytest.LogCaptureFixture) -> None:
+    a, b = bytes(range(16)), bytes(range(1, 17))
+    tier, _ = make_ssd(PER_PATH, SLOT, fingerprint=a)
+    rec = put(tier, {tier.locations()[0]: (K(1), 1)})
+    tier.close()
+    tier, recovered = make_ssd(PER_PATH, SLOT, fingerprint=a)
+    assert list(recovered) == list(rec.items())
+    tier.close()
+    caplog.set_level("INFO", logger="kvtier.tier.ssd")
+    tier, recovered = make_ssd(PER_PATH, SLOT, fingerprint=b)
+    assert len(recovered) == 0 and tier.fingerprint == b
+    [line] = [r.getMessage() for r in caplog.records if "starts empty" in r.getMessage()]
+    assert f"another KV layout (fingerprint {a.hex()}, now {b.hex()})" in line
+    tier.close()
+    # Formatted for b: the blocks written for a are gone for good.
+    assert len(make_ssd(PER_PATH, SLOT, fingerprint=a)[1]) == 0
+    with pytest.raises(ValueError):
+        make_ssd(PER_PATH, SLOT, fingerprint=bytes(17))
+
+
+def test_a_superblock_read_error_refuses_to_start_and_writes_nothing(make_ssd, tmp_path: Path) -> None:
+    tier, _ = make_ssd(PER_PATH, SLOT, num_paths=2)
+    put(tier, {loc: (K(i), i + 1) for i, loc in enumerate(tier.locations())})
+    tier.close()
+    before = [sha(tmp_path / f"ssd{i}.bin") for i in range(2)]
+    for err in (errno.EIO, None):  # an error, and a short read
+        io = FaultIo()
+        io.arm("preadv", err, nth=1)  # the second path's superblock
+        with pytest.raises(ConfigError) as info:
+            make_ssd(PER_PATH, SLOT, num_paths=2, io=io)
+        assert io.fired
+        assert (info.value.key, info.value.value) == ("ssd_path", str(tmp_path / "ssd1.bin"))
+        assert "superblock" in str(info.value)
+        assert [sha(tmp_path / f"ssd{i}.bin") for i in range(2)] == before
+    assert len(make_ssd(PER_PATH, SLOT, num_paths=2)[1]) == 2 * PER_PATH  # all still there
+
+
+def test_a_size_larger_than_the_free_space_is_refused_before_any_allocation(tmp_path: Path) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    paths = [str(tmp_path / "a.bin"), str(tmp_path / "b.bin")]
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open(paths, 2 * (free // 2 + (1 << 30)), SLOT)  # each half fits alone, both do not
+    assert info.value.key == "ssd_size"
+    assert "free" in str(info.value) and paths[0] in str(info.value) and paths[1] in str(info.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_start_removes_the_files_it_created_and_only_those(tmp_path: Path) -> None:
+    size = 3 * ssd_path_bytes(PER_PATH, SLOT)
+    paths = [tmp_path / "new0.bin", tmp_path / "old.bin", tmp_path / "new2.bin"]
+    paths[1].write_bytes(bytes(ssd_path_bytes(PER_PATH, SLOT)))  # there before: zeros, acceptable
+    old = sha(paths[1])
+    # Path 3 of 3 cannot be pre-allocated (ENOSPC at the OS boundary).
+    io = FaultIo()
+    io.arm("fallocate", errno.ENOSPC, nth=1)  # new0 is grown first, then new2
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([str(p) for p in paths], size, SLOT, io=io)
+    assert info.value.value == str(paths[2]) and "pre-allocate" in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["old.bin"] and sha(paths[1]) == old and _unlocked(str(paths[1]))
+    # The superblock write fails.
+    io.arm("pwritev", errno.EIO, nth=2)
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([str(p) for p in paths], size, SLOT, io=io)
+    assert info.value.value == str(paths[2]) and "superblock" in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["old.bin"] and _unlocked(str(paths[1]))
+    # Path 2 of 3 holds someone's data: nothing is created, nothing touched.
+    paths[1].write_bytes(b"not kvtier" + bytes(ssd_path_bytes(PER_PATH, SLOT)))
+    old = sha(paths[1])
+    with pytest.raises(ConfigError, match="not kvtier's"):
+        SsdTier.open([str(p) for p in paths], size, SLOT)
+    assert sorted(os.listdir(tmp_path)) == ["old.bin"] and sha(paths[1]) == old
+
+
+def test_failure_of_path_2_of_2_removes_path_1(tmp_path: Path) -> None:
+    paths = [tmp_path / "ssd0.bin", tmp_path / "ssd1.bin"]
+    paths[1].write_bytes(os.urandom(PAGE) + bytes(ssd_path_bytes(PER_PATH, SLOT)))
+    before = sha(paths[1])
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([str(p) for p in paths], 2 * ssd_path_bytes(PER_PATH, SLOT), SLOT)
+    assert info.value.value == str(paths[1])
+    assert not paths[0].exists() and sha(paths[1]) == before
+
+
+def _mount_small_fs(tmp_path: Path, size_mib: int) -> Path | None:
+    """A loop-mounted ext4 of ``size_mib`` MiB under ``tmp_path``, or None where mounting is not permitted."""
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+        return None
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(size_mib << 20)
+    for cmd in (["mkfs.ext4", "-q", "-F", str(image)], ["mount", "-o", "loop", str(image), str(mnt)]):
+        if subprocess.run(cmd, check=False, capture_output=True).returncode != 0:
+            return None
+    return mnt
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    mnt = _mount_small_fs(tmp_path, 64)
+    if mnt is None:
+        pytest.skip("cannot loop-mount a small file system here (needs root, mkfs.ext4, loop devices)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_on_a_small_file_system_too_large_is_refused_and_what_fits_is_allocated(small_fs: Path) -> None:
+    path = small_fs / "ssd.bin"
+    free = shutil.disk_usage(small_fs).free
+    with pytest.raises(ConfigError) as info:
+        SsdTier.open([str(path)], free + (8 << 20), SLOT)
+    assert info.value.key == "ssd_size" and f"{free} bytes free" in str(info.value)
+    assert not path.exists() and shutil.disk_usage(small_fs).free == free
+    tier, _ = SsdTier.open([str(path)], free // 2, SLOT)
+    tier.close()
+    assert os.stat(path).st_blocks * 512 >= free // 2 - PAGE
+
+
+def test_unequal_paths_interleave_while_both_have_slots(tmp_path: Path) -> None:
+    sizes = (ssd_path_bytes(2, SLOT), ssd_path_bytes(5, SLOT))
+    paths = [tmp_path / "short.bin", tmp_path / "long.bin"]
+    for p, size in zip(paths, sizes):
+        p.write_bytes(bytes(size))
+    tier, _ = SsdTier.open([str(p) for p in paths], None, SLOT)
+    try:
+        assert tier.locations() == [SsdLocation(0, 0), SsdLocation(1, 0), SsdLocation(0, 1), SsdLocation(1, 1),
+                                    SsdLocation(1, 2), SsdLocation(1, 3), SsdLocation(1, 4)]
+        assert [tier.slot_number(loc) for loc in tier.locations()] == list(range(7))
+        recs = put(tier, {loc: (K(g), g + 1) for g, loc in enumerate(tier.locations())})
+        tier.close()
+        tier, recovered = SsdTier.open([str(p) for p in paths], None, SLOT)
+        assert sorted(recovered.slots.tolist()) == list(range(7))
+        assert dict(recovered) == recs
+    finally:
+        tier.close()
+
+
+def test_header_sums_see_every_change_of_one_word() -> None:
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**63, size=(1000, 7), dtype=np.uint64)
+    base = ssd_module.header_sums(words)
+    assert np.unique(base).size == 1000
+    for i in range(7):
+        flipped = words.copy()
+        flipped[:, i] ^= np.uint64(1) << rng.integers(0, 64, size=1000, dtype=np.uint64)  # one bit of word i
+        assert (ssd_module.header_sums(flipped) != base).all()
+    # One header or a table of them: the same sums.
+    assert ssd_module.header_sums(words[3:4])[0] == base[3]

@@ -71,7 +71,7 @@ class SsdAdapter:
 
     def put(self, slot: int, key: bytes, data: bytes) -> None:
         self._buf[:] = data
-        rec = BlockRecord(key, self.tier.next_seq(), xxhash.xxh3_64_intdigest(data), 1, ())
+        rec = BlockRecord(key, self.tier.next_seq(), xxhash.xxh3_64_intdigest(data))
         reused = [self._locs[slot]] if slot in self._written else []
         self.tier.write([(self._locs[slot], rec, memoryview(self._buf))], reused)
         self._written.add(slot)

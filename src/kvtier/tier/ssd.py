@@ -7,19 +7,30 @@ thread. Data moves only between a device and DRAM-tier slots: the DRAM
 arena's slots are 4 KiB aligned, so they are the O_DIRECT buffers and no
 bounce copy is made.
 
-On-disk layout of each path (every offset 4 KiB aligned)::
+On-disk layout of each path (format 3; every region 4 KiB aligned)::
 
-    [superblock 4 KiB][header 0 | header 1 | ... 4 KiB each][data 0 | data 1 | ...]
+    [superblock 4 KiB][header table: 64 headers of 64 bytes per 4 KiB page][data 0 | data 1 | ...]
 
-The headers form one table so that the headers of a batch of neighbouring
-slots go to the device in one request (a header per request cost a quarter
-of the write time), and recovery reads the table in large requests.
+The superblock holds the format, the path's place in its tier, the slot
+geometry, the format epoch and the layout fingerprint the caller gives (a
+digest of the KV namespace and layout: a disk written for another model or
+layout starts empty instead of serving its blocks).
 
-A slot header (:data:`_HEADER`) is self-describing: magic, the format epoch,
-the block's key, a sequence number (recency at recovery), the xxh3-64
-checksum of the data, the DRAM header fields to restore on promotion, and a
-checksum of the header itself. The headers *are* the index on disk; the
-in-memory index is rebuilt from them at start-up.
+A slot header (:data:`_HEADER`, 64 bytes) is self-describing: magic, the
+format epoch, the block's key, a sequence number (recency at recovery), the
+xxh3-64 checksum of the data, the data length, and a checksum of the header
+itself. The headers *are* the index on disk; the in-memory index
+(:mod:`kvtier.tier.ssd_index`) is rebuilt from them at start-up. At 64
+bytes a header the table is 1/4096 of the data for 256 KiB slots, so
+recovery reads a small fraction of the tier (format 2 used a 4 KiB page a
+header). The DRAM header of a promoted block (per-rank checksums, ready
+mask) is not stored: the store recomputes it from the data it just verified.
+
+Headers share pages, and O_DIRECT writes whole pages, so a header write is a
+read-modify-write of its pages under the path's header lock: two batches
+writing neighbouring headers never undo each other. A page that reaches the
+disk in part still leaves each header old or new: every header carries its
+own checksum.
 
 Write order for a batch of blocks (:meth:`SsdTier.write`):
 
@@ -34,12 +45,25 @@ checksum fails: empty), or pointing at data that is durable and whose
 checksum is in the header. Reads verify the data checksum anyway, so a block
 that went bad on the medium is a miss, never wrong KV.
 
+What :meth:`SsdTier.open` formats (never anyone else's data): a path it
+creates, one whose first 64 KiB are zeros (``kvtier disk prepare`` leaves
+them so), one with kvtier's superblock (any format), or any path with
+``force_new``. Anything else, and a superblock that cannot be read, is a
+:class:`ConfigError` naming the path. Before a file is created or grown the
+free space of its file system is checked, and whatever a failed start
+created is removed.
+
+Slots are numbered globally ``0 .. num_slots-1``, interleaved across paths
+(:meth:`SsdTier.location` and :meth:`SsdTier.slot_number` convert), so that
+consecutive allocations spread over the paths.
+
 Faults are injected in tests through :class:`IoOps`, the only place that
 calls into the OS for I/O.
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import logging
@@ -49,9 +73,10 @@ import stat
 import struct
 import threading
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 
 from kvtier.errors import ConfigError, TierIOError
@@ -59,14 +84,25 @@ from kvtier.errors import ConfigError, TierIOError
 log = logging.getLogger(__name__)
 
 PAGE = 4096
-_SUPER = struct.Struct("<8sIIQQQ16s")  # magic, version, path index, slot data bytes, num slots, epoch, uuid
-_SUPER_MAGIC = b"KVTSSD01"
-_FORMAT = 2  # 1: each header beside its data; 2: a header table
-_HDR_MAGIC = b"KVTBLK01"
-# magic, epoch, key, seq, data checksum, data length, dram ready mask, dram checksums x8
-_HEADER = struct.Struct("<8sQ16sQQQI4x8Q")
-_HDR_SUM = struct.Struct("<Q")
+# magic, version, path index, slot data bytes, num slots, epoch, uuid, layout fingerprint
+_SUPER = struct.Struct("<8sIIQQQ16s16s")
+SUPER_MAGIC = b"KVTSSD01"  # the same in every format: it says "kvtier's", the version says which
+_FORMAT = 3  # 1: each header beside its data; 2: a table of 4 KiB headers; 3: 64-byte headers, fingerprint
+_HDR_MAGIC = b"KVTBLK03"
+_HEADER = struct.Struct("<8sQ16sQQQ")  # magic, epoch, key, seq, data checksum, data length
+_HDR_SUM = struct.Struct("<Q")  # header_sums() of the 7 words before it
+HEADER_BYTES = 64
+HEADERS_PER_PAGE = PAGE // HEADER_BYTES
+_HDR_DTYPE = np.dtype([("magic", "<u8"), ("epoch", "<u8"), ("key", "V16"), ("seq", "<u8"), ("checksum", "<u8"),
+                       ("length", "<u8"), ("hsum", "<u8")])
+_HDR_MAGIC_U64 = int.from_bytes(_HDR_MAGIC, "little")
+FINGERPRINT_BYTES = 16
+SNIFF_BYTES = 64 << 10  # how much of a path's start must be zeros for it to count as unused
+_WRITE_RUN_PAGES = 64  # header pages per read-modify-write request: bounds the per-thread buffer
+_RECOVER_PAGES = 256  # header pages per recovery read (1 MiB, 16,384 headers)
 BLKGETSIZE64 = 0x80081272
+
+assert _HEADER.size + _HDR_SUM.size == HEADER_BYTES == _HDR_DTYPE.itemsize
 
 
 @dataclass(frozen=True)
@@ -76,8 +112,6 @@ class BlockRecord:
     key: bytes
     seq: int
     checksum: int
-    dram_ready: int
-    dram_checksums: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -100,6 +134,9 @@ class IoOps:
 
     def fdatasync(self, fd: int) -> None:
         os.fdatasync(fd)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
 
 
 def _aligned_page(n: int = 1) -> mmap.mmap:
@@ -183,8 +220,79 @@ def check_exclusive(path: str, st: os.stat_result) -> None:
             raise ConfigError("ssd_path", path, f"a partition of this device is mounted on {where}")
 
 
+_SUM_SEED = np.uint64(0x243F6A8885A308D3)
+_SUM_MUL1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser constants
+_SUM_MUL2 = np.uint64(0x94D049BB133111EB)
+
+
+def header_sums(words: np.ndarray) -> np.ndarray:
+    """Checksums of slot headers: ``words`` (n, 7) uint64, the header before its checksum.
+
+    Each word is folded in by XOR, then a bijective mix (splitmix64's
+    finaliser), so headers that differ in one word always differ here, and
+    headers that differ in more collide with odds of about 2**-64. Numpy
+    computes it for a whole table at once: recovery of millions of headers
+    costs a few array passes, where a hash call per header (xxh3, format 2)
+    cost microseconds each.
+    """
+    h = np.full(words.shape[0], _SUM_SEED, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(words.shape[1]):
+            h ^= words[:, i]
+            h ^= h >> np.uint64(30)
+            h *= _SUM_MUL1
+            h ^= h >> np.uint64(27)
+            h *= _SUM_MUL2
+            h ^= h >> np.uint64(31)
+    return h
+
+
+def table_pages(num_slots: int) -> int:
+    """Pages of the header table of a path of ``num_slots`` slots."""
+    return -(-num_slots // HEADERS_PER_PAGE)
+
+
+def slots_for(size_bytes: int, slot_bytes: int) -> int:
+    """Most slots of ``slot_bytes`` that a path of ``size_bytes`` holds with its superblock and header table."""
+    n = max(0, (size_bytes - PAGE) // (slot_bytes + HEADER_BYTES))  # an upper bound: the table is whole pages
+    while n > 0 and PAGE + table_pages(n) * PAGE + n * slot_bytes > size_bytes:
+        n -= 1
+    return n
+
+
+@dataclass(frozen=True, eq=False)
+class Recovered:
+    """The blocks recovery found, as arrays, one row per valid header.
+
+    ``slots``: global slot numbers (int64); ``key_bytes``: (n, 16) uint8;
+    ``seqs`` and ``checksums``: uint64. A key may appear more than once
+    (written again elsewhere before a crash): the index keeps the highest
+    ``seq``. Iterating gives ``(SsdLocation, BlockRecord)`` pairs, for tests
+    and small tiers; the store takes the arrays.
+    """
+
+    slots: np.ndarray
+    key_bytes: np.ndarray  # not "keys": dict(recovered) would take it for a mapping
+    seqs: np.ndarray
+    checksums: np.ndarray
+    locate: Callable[[int], SsdLocation] = field(repr=False)
+
+    @classmethod
+    def empty(cls, locate: Callable[[int], SsdLocation]) -> Recovered:
+        return cls(np.zeros(0, np.int64), np.zeros((0, 16), np.uint8), np.zeros(0, np.uint64),
+                   np.zeros(0, np.uint64), locate)
+
+    def __len__(self) -> int:
+        return int(self.slots.size)
+
+    def __iter__(self) -> Iterator[tuple[SsdLocation, BlockRecord]]:
+        for slot, key, seq, digest in zip(self.slots.tolist(), self.key_bytes, self.seqs.tolist(),
+                                          self.checksums.tolist()):
+            yield self.locate(slot), BlockRecord(bytes(key), seq, digest)
+
+
 class _Path:
-    """One file or device: its fd, lock, and slot geometry."""
+    """One file or device: its fd, locks, and slot geometry."""
 
     def __init__(self, index: int, path: str, fd: int, num_slots: int, slot_bytes: int) -> None:
         self.index = index
@@ -192,31 +300,109 @@ class _Path:
         self.fd = fd
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes  # data bytes of one slot (4 KiB multiple)
-        self.data_start = PAGE + num_slots * PAGE  # after the superblock and the header table
+        self.table_pages = table_pages(num_slots)
+        self.data_start = PAGE + self.table_pages * PAGE  # after the superblock and the header table
         self.sync_lock = threading.Lock()
+        # Held across the read and the write of header pages: two batches
+        # with headers on one page would otherwise undo each other's.
+        self.header_lock = threading.Lock()
 
-    def header_offset(self, slot: int) -> int:
-        return PAGE + slot * PAGE
+    def page_offset(self, page: int) -> int:
+        return PAGE + page * PAGE
 
     def data_offset(self, slot: int) -> int:
         return self.data_start + slot * self.slot_bytes
 
 
+class _Interleave:
+    """Global slot numbers <-> (path, slot), interleaved: g = 0, 1, ... is
+    path 0 slot 0, path 1 slot 0, ..., path 0 slot 1, ...; where paths
+    differ in size, the longer ones continue alone. One segment per distinct
+    path size, so a conversion costs a bisect over at most ``len(paths)``."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.total = sum(counts)
+        self.starts: list[int] = []  # first local slot of each segment
+        self.bases: list[int] = []  # first global slot of each segment
+        self.active: list[list[int]] = []  # paths still holding slots in each segment
+        prev = base = 0
+        for t in sorted(set(counts)):
+            active = [p for p, n in enumerate(counts) if n >= t]
+            self.starts.append(prev)
+            self.bases.append(base)
+            self.active.append(active)
+            base += (t - prev) * len(active)
+            prev = t
+        self.rank = [{p: r for r, p in enumerate(a)} for a in self.active]
+
+    def location(self, g: int) -> SsdLocation:
+        if not 0 <= g < self.total:
+            raise IndexError(f"slot {g} out of range 0..{self.total - 1}")
+        j = bisect.bisect_right(self.bases, g) - 1
+        off = g - self.bases[j]
+        a = self.active[j]
+        return SsdLocation(a[off % len(a)], self.starts[j] + off // len(a))
+
+    def slot_number(self, loc: SsdLocation) -> int:
+        j = bisect.bisect_right(self.starts, loc.slot) - 1
+        return self.bases[j] + (loc.slot - self.starts[j]) * len(self.active[j]) + self.rank[j][loc.path_index]
+
+    def global_slots(self, path_index: int, local: np.ndarray) -> np.ndarray:
+        out = np.empty(local.size, dtype=np.int64)
+        seg = np.searchsorted(np.asarray(self.starts), local, side="right") - 1
+        for j in range(len(self.starts)):
+            if path_index not in self.rank[j]:
+                continue  # the path ended before this segment: none of its slots are here
+            m = seg == j
+            out[m] = self.bases[j] + (local[m] - self.starts[j]) * len(self.active[j]) + self.rank[j][path_index]
+        return out
+
+    def split(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(path index, local slot) arrays of global slot numbers ``g``."""
+        paths = np.empty(g.size, dtype=np.int64)
+        local = np.empty(g.size, dtype=np.int64)
+        seg = np.searchsorted(np.asarray(self.bases), g, side="right") - 1
+        for j in range(len(self.bases)):
+            m = seg == j
+            off = g[m] - self.bases[j]
+            a = len(self.active[j])
+            paths[m] = np.asarray(self.active[j])[off % a]
+            local[m] = self.starts[j] + off // a
+        return paths, local
+
+
+@dataclass
+class _Opened:
+    """A path during :meth:`SsdTier.open`: what was found at its start."""
+
+    path: str
+    fd: int
+    created: bool
+    kind: str = ""  # "new", "zeros", "kvtier" or "foreign"
+    head: bytes = b""
+    num_slots: int = 0
+
+
 class SsdTier:
     """Slots of ``slot_bytes`` (a multiple of 4 KiB) spread over one or more paths.
 
-    Thread safety: :meth:`write` and :meth:`read` may run concurrently from
-    several threads on distinct slots; the caller (the store) never hands the
-    same slot to two operations at once.
+    Thread safety: :meth:`write`, :meth:`invalidate` and :meth:`read` may
+    run concurrently from several threads on distinct slots; the caller (the
+    store) never hands the same slot to two operations at once. Header
+    pages shared by slots of concurrent batches are serialised by a lock
+    per path.
     """
 
-    def __init__(self, paths: list[_Path], epoch: int, io: IoOps) -> None:
+    def __init__(self, paths: list[_Path], epoch: int, io: IoOps, fingerprint: bytes = bytes(FINGERPRINT_BYTES)) \
+            -> None:
         self._paths = paths
         self.epoch = epoch
+        self.fingerprint = fingerprint
         self._io = io
         self.slot_bytes = paths[0].slot_bytes
+        self._map = _Interleave([p.num_slots for p in paths])
         self._tls = threading.local()
-        self.unreadable: set[SsdLocation] = set()  # headers recovery could not read
+        self.unreadable: set[SsdLocation] = set()  # slots whose header page recovery could not read
         self._seq_lock = threading.Lock()
         self._seq = 0
 
@@ -224,127 +410,171 @@ class SsdTier:
 
     @classmethod
     def open(cls, paths: Sequence[str], size_bytes: int | None, slot_bytes: int, force_new: bool = False,
-             io: IoOps | None = None) -> tuple[SsdTier, list[tuple[SsdLocation, BlockRecord]]]:
+             io: IoOps | None = None, fingerprint: bytes = b"") -> tuple[SsdTier, Recovered]:
         """Open (creating regular files of ``size_bytes`` split evenly) and recover.
 
+        ``fingerprint``: up to 16 bytes naming what the blocks are (the
+        connector passes a digest of the KV namespace and layout). A tier
+        written with another fingerprint or slot geometry, or an older
+        format, starts empty (one log line says why).
+
         Returns the tier and the blocks found on disk (none when ``force_new``
-        or when the geometry changed). Raises :class:`ConfigError` naming the
-        path for anything an operator must fix (mounted device, held by
-        another process, too small, no direct I/O).
+        or when the tier starts empty). Raises :class:`ConfigError` naming
+        the path for anything an operator must fix: data that is not
+        kvtier's, a superblock that cannot be read, not enough free space,
+        a mounted device, a path held by another process, too small, no
+        direct I/O. On any failure every path is closed and every file this
+        call created is removed.
         """
         io = io or IoOps()
         if slot_bytes % PAGE:
             raise ValueError(f"slot_bytes must be a multiple of {PAGE}, got {slot_bytes}")
+        if len(fingerprint) > FINGERPRINT_BYTES:
+            raise ValueError(f"fingerprint is at most {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+        fingerprint = fingerprint.ljust(FINGERPRINT_BYTES, b"\0")
         if not paths:
             raise ConfigError("ssd_path", "", "no path given")
         per_path = size_bytes // len(paths) if size_bytes else None
-        opened: list[_Path] = []
-        epoch = 0
-        recovered: list[tuple[SsdLocation, BlockRecord]] = []
+        want = per_path - per_path % PAGE if per_path else None
+        found: list[_Opened] = []
         try:
-            for i, path in enumerate(paths):
-                fd = cls._open_path(path, per_path, io)
-                size = device_size(fd)
-                num_slots = (size - PAGE) // (PAGE + slot_bytes)
-                if num_slots < 1:
-                    os.close(fd)
-                    raise ConfigError("ssd_path", path, f"{size} bytes is too small for one slot of {slot_bytes}")
-                p = _Path(i, path, fd, num_slots, slot_bytes)
-                opened.append(p)
-            supers = [cls._read_super(p, io) for p in opened]
-            same = all(s is not None and s[0] == i and s[1] == slot_bytes and s[2] == p.num_slots
-                       for i, (s, p) in enumerate(zip(supers, opened)))
-            if same and not force_new:
-                epoch = supers[0][3]  # type: ignore[index]
-                if any(s[3] != epoch for s in supers):  # type: ignore[index]
-                    same = False
-            if not same or force_new:
-                # A random epoch, not the last one plus one: if a superblock
-                # was lost, "last plus one" could revive headers of an old format.
-                epoch = _new_epoch({s[3] for s in supers if s is not None})
-                for p in opened:
-                    cls._write_super(p, epoch, io)
-                tier = cls(opened, epoch, io)
-                log.info("kvtier: SSD tier formatted (epoch %d) on %s", epoch, ":".join(paths))
-                return tier, []
-            tier = cls(opened, epoch, io)
-            recovered = tier._recover()
-            log.info("kvtier: SSD tier recovered %d blocks from %s", len(recovered), ":".join(paths))
-            return tier, recovered
-        except BaseException:
+            stats = [cls._stat(path, want) for path in paths]
+            _check_space(list(paths), stats, want, size_bytes)
+            for path, st in zip(paths, stats):
+                fd = cls._open_path(path, st, io, found)
+                o = found[-1]
+                o.kind, o.head = ("new", b"") if o.created else cls._sniff(path, fd, io)
+            for o in found:
+                if o.kind == "foreign" and not force_new:
+                    raise ConfigError("ssd_path", o.path, "holds data that is not kvtier's (its first "
+                                      f"{SNIFF_BYTES >> 10} KiB are neither zeros nor a kvtier superblock): a "
+                                      "mistyped path or a disk that moved? To overwrite it, use force_new_disk or "
+                                      "kvtier disk prepare")
+            for o in found:
+                _grow(o, want, io)
+                size = device_size(o.fd)
+                o.num_slots = slots_for(size, slot_bytes)
+                if o.num_slots < 1:
+                    raise ConfigError("ssd_path", o.path, f"{size} bytes is too small for one slot of {slot_bytes}")
+            opened = [_Path(i, o.path, o.fd, o.num_slots, slot_bytes) for i, o in enumerate(found)]
+            why = "force_new_disk" if force_new else _why_not_recover(found, slot_bytes, fingerprint)
+            if why is None:
+                epoch = _SUPER.unpack_from(found[0].head)[5]
+                tier = cls(opened, epoch, io, fingerprint)
+                recovered = tier._recover()
+                log.info("kvtier: SSD tier recovered %d blocks from %s", len(recovered), ":".join(paths))
+                return tier, recovered
+            # A random epoch, not the last one plus one: if a superblock was
+            # lost, "last plus one" could revive headers of an old format.
+            taken = {_SUPER.unpack_from(o.head)[5] for o in found if o.kind == "kvtier" and len(o.head) >= PAGE}
+            epoch = _new_epoch(taken)
             for p in opened:
-                os.close(p.fd)
+                cls._write_super(p, epoch, fingerprint, io)
+            tier = cls(opened, epoch, io, fingerprint)
+            log.info("kvtier: SSD tier on %s starts empty (epoch %d): %s", ":".join(paths), epoch, why)
+            return tier, Recovered.empty(tier.location)
+        except BaseException:
+            for o in found:
+                os.close(o.fd)
+            for o in found:
+                if o.created:  # only what this call made; never a file that was there before
+                    try:
+                        os.unlink(o.path)
+                    except OSError as err:
+                        log.warning("kvtier: could not remove %s after a failed start: %s", o.path, err)
             raise
 
     @staticmethod
-    def _open_path(path: str, size_bytes: int | None, io: IoOps) -> int:
+    def _stat(path: str, size_bytes: int | None) -> os.stat_result | None:
+        """Refuse what can never be a tier path, before anything is opened; None: does not exist."""
         try:
             st = os.stat(path)
         except FileNotFoundError:
             st = None
-        if st is not None and stat.S_ISBLK(st.st_mode):
+        if st is not None and (stat.S_ISBLK(st.st_mode) or stat.S_ISREG(st.st_mode)):
             check_exclusive(path, st)
-            flags = os.O_RDWR | os.O_DIRECT | os.O_EXCL  # O_EXCL: EBUSY if mounted or held
-        elif st is None or stat.S_ISREG(st.st_mode):
-            if st is not None:
-                check_exclusive(path, st)
-            if st is None:
-                if not size_bytes:
-                    raise ConfigError("ssd_path", path, "does not exist and no ssd_size was given to create it")
-                parent = os.path.dirname(os.path.abspath(path))
-                if not os.path.isdir(parent):
-                    raise ConfigError("ssd_path", path, f"directory {parent} does not exist")
-            flags = os.O_RDWR | os.O_DIRECT | os.O_CREAT
+        elif st is None:
+            if not size_bytes:
+                raise ConfigError("ssd_path", path, "does not exist and no ssd_size was given to create it")
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise ConfigError("ssd_path", path, f"directory {parent} does not exist")
         else:
             raise ConfigError("ssd_path", path, "not a regular file or block device")
+        return st
+
+    @staticmethod
+    def _open_path(path: str, st: os.stat_result | None, io: IoOps, found: list[_Opened]) -> int:
+        """Open and lock ``path``; appends it to ``found`` (with ``created``) once it is open."""
+        if st is not None and stat.S_ISBLK(st.st_mode):
+            flags = os.O_RDWR | os.O_DIRECT | os.O_EXCL  # O_EXCL: EBUSY if mounted or held
+        elif st is not None:
+            flags = os.O_RDWR | os.O_DIRECT
+        else:
+            # O_EXCL: "created" must mean created by this call, or a failed
+            # start could remove a file someone made in the meantime.
+            flags = os.O_RDWR | os.O_DIRECT | os.O_CREAT | os.O_EXCL
         try:
             fd = io.open(path, flags)
         except OSError as err:
+            if st is None and err.errno != errno.EEXIST and os.path.exists(path):
+                os.unlink(path)  # e.g. EINVAL for O_DIRECT on tmpfs comes after the file was made
             if err.errno == errno.EBUSY:
                 raise ConfigError("ssd_path", path, "device is busy (mounted or opened exclusively elsewhere)") \
                     from None
             if err.errno == errno.EINVAL:
                 raise ConfigError("ssd_path", path, "direct I/O (O_DIRECT) is not supported here") from None
+            if err.errno == errno.EEXIST:
+                raise ConfigError("ssd_path", path, "appeared while kvtier was starting; not touching it") \
+                    from None
             raise ConfigError("ssd_path", path, f"cannot open: {err.strerror}") from None
+        found.append(_Opened(path, fd, created=st is None))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            os.close(fd)
             raise ConfigError("ssd_path", path, "held by another process (locked)") from None
-        if stat.S_ISREG(os.fstat(fd).st_mode) and size_bytes:
-            size = size_bytes - size_bytes % PAGE
-            if os.fstat(fd).st_size < size:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as err:
-                    os.close(fd)
-                    raise ConfigError("ssd_path", path, f"cannot pre-allocate {size} bytes: {err.strerror}") \
-                        from None
         return fd
 
     @staticmethod
-    def _read_super(p: _Path, io: IoOps) -> tuple[int, int, int, int] | None:
-        buf = _aligned_page()
-        try:
-            n = io.preadv(p.fd, [memoryview(buf)], 0)
-        except OSError:
-            return None
-        if n < _SUPER.size:
-            return None
-        magic, version, index, slot_bytes, num_slots, epoch, _ = _SUPER.unpack_from(buf, 0)
-        if magic != _SUPER_MAGIC or version != _FORMAT:
-            if magic == _SUPER_MAGIC:
-                log.warning("kvtier: %s holds SSD tier format %d, this is format %d: starting it empty",
-                            p.path, version, _FORMAT)
-            return None
-        return index, slot_bytes, num_slots, epoch
+    def _sniff(path: str, fd: int, io: IoOps) -> tuple[str, bytes]:
+        """What the start of an existing path holds: ("kvtier" | "zeros" | "foreign", its first bytes).
+
+        A read error is a :class:`ConfigError`: formatting after a transient
+        error would destroy a tier (or someone's data) that is there.
+        """
+        size = device_size(fd)
+        head = b""
+        # The superblock page first: a kvtier path needs no more (the rest
+        # of its first 64 KiB is header table, read at recovery).
+        for expect in (min(PAGE, size), min(SNIFF_BYTES, size)):
+            if expect == 0 or (head and head[: len(SUPER_MAGIC)] == SUPER_MAGIC):
+                break
+            buf = _aligned_page(-(-expect // PAGE))
+            try:
+                n = io.preadv(fd, [memoryview(buf)], 0)
+            except OSError as err:
+                raise ConfigError("ssd_path", path, f"cannot read its superblock ({err.strerror}); not starting "
+                                  "rather than format a disk that may hold data") from None
+            if n < expect:
+                raise ConfigError("ssd_path", path, f"short read of its superblock ({n} of {expect} bytes); not "
+                                  "starting rather than format a disk that may hold data")
+            head = bytes(buf[:expect])
+        if head[: len(SUPER_MAGIC)] == SUPER_MAGIC:
+            return "kvtier", head
+        if head.count(0) == len(head):
+            return "zeros", head
+        return "foreign", head
 
     @staticmethod
-    def _write_super(p: _Path, epoch: int, io: IoOps) -> None:
+    def _write_super(p: _Path, epoch: int, fingerprint: bytes, io: IoOps) -> None:
         buf = _aligned_page()
-        _SUPER.pack_into(buf, 0, _SUPER_MAGIC, _FORMAT, p.index, p.slot_bytes, p.num_slots, epoch, uuid.uuid4().bytes)
-        _write_all(io, p.fd, [memoryview(buf)], 0)
-        io.fdatasync(p.fd)
+        _SUPER.pack_into(buf, 0, SUPER_MAGIC, _FORMAT, p.index, p.slot_bytes, p.num_slots, epoch, uuid.uuid4().bytes,
+                         fingerprint)
+        try:
+            _write_all(io, p.fd, [memoryview(buf)], 0)
+            io.fdatasync(p.fd)
+        except OSError as err:
+            raise ConfigError("ssd_path", p.path, f"cannot write its superblock: {err.strerror or err}") from None
 
     def close(self) -> None:
         for p in self._paths:
@@ -354,19 +584,21 @@ class SsdTier:
 
     # --- geometry ---------------------------------------------------------
 
+    def location(self, slot: int) -> SsdLocation:
+        """Path and slot there of global slot number ``slot``."""
+        return self._map.location(slot)
+
+    def slot_number(self, loc: SsdLocation) -> int:
+        """Global slot number of ``loc`` (inverse of :meth:`location`)."""
+        return self._map.slot_number(loc)
+
     def locations(self) -> list[SsdLocation]:
-        """Every slot, interleaved across paths so consecutive allocations spread out."""
-        out = []
-        longest = max(p.num_slots for p in self._paths)
-        for s in range(longest):
-            for p in self._paths:
-                if s < p.num_slots:
-                    out.append(SsdLocation(p.index, s))
-        return out
+        """Every slot in global order, interleaved across paths (small tiers and tests)."""
+        return [self._map.location(g) for g in range(self.num_slots)]
 
     @property
     def num_slots(self) -> int:
-        return sum(p.num_slots for p in self._paths)
+        return self._map.total
 
     @property
     def paths(self) -> list[str]:
@@ -386,78 +618,105 @@ class SsdTier:
             buf = self._tls.hdr = _aligned_page(max(n, 16))
         return buf
 
-    def _write_headers(self, entries: Sequence[tuple[SsdLocation, BlockRecord | None]]) -> None:
-        """Write the headers of ``entries`` (None: empty), one request per run
-        of neighbouring slots of a path (at most 256 headers a request)."""
-        ordered = sorted(entries, key=lambda e: (e[0].path_index, e[0].slot))
-        most = 256  # headers per request: bounds the per-thread buffer
-        for c in range(0, len(ordered), most):
-            part = ordered[c : c + most]
-            buf = self._header_pages(len(part))
-            view = memoryview(buf)
-            for page, (_, rec) in enumerate(part):
-                self._pack_header(buf, rec, page * PAGE)
-            start = 0
-            for end in range(1, len(part) + 1):
-                if end < len(part):
-                    a, b = part[end - 1][0], part[end][0]
-                    if b.path_index == a.path_index and b.slot == a.slot + 1:
-                        continue
-                first = part[start][0]
-                p = self._paths[first.path_index]
-                _write_all(self._io, p.fd, [view[start * PAGE : end * PAGE]], p.header_offset(first.slot))
-                start = end
+    def _write_headers(self, path_index: int, slots: np.ndarray, recs: Sequence[BlockRecord | None] | None) -> None:
+        """Write the headers of local ``slots`` of one path (``recs`` None: all
+        empty), as a read-modify-write of each run of neighbouring pages."""
+        p = self._paths[path_index]
+        order = np.argsort(slots, kind="stable")
+        slots = slots[order]
+        recs = [recs[i] for i in order.tolist()] if recs is not None else None
+        pages = np.unique(slots // HEADERS_PER_PAGE)
+        cuts = np.flatnonzero(np.diff(pages) != 1) + 1
+        runs: list[tuple[int, int]] = []
+        for run in np.split(pages, cuts):
+            for first in range(int(run[0]), int(run[-1]) + 1, _WRITE_RUN_PAGES):
+                runs.append((first, min(_WRITE_RUN_PAGES, int(run[-1]) + 1 - first)))
+        for first, count in runs:
+            lo = int(np.searchsorted(slots, first * HEADERS_PER_PAGE))
+            hi = int(np.searchsorted(slots, (first + count) * HEADERS_PER_PAGE))
+            buf = self._header_pages(count)
+            view = memoryview(buf)[: count * PAGE]
+            rows = np.frombuffer(buf, dtype=np.uint8, count=count * PAGE).reshape(-1, HEADER_BYTES)
+            words = rows.view("<u8")
+            at = slots[lo:hi] - first * HEADERS_PER_PAGE
+            with p.header_lock:
+                n = self._io.preadv(p.fd, [view], p.page_offset(first))
+                if n != len(view):
+                    raise OSError(errno.EIO, f"short read of SSD header pages: {n} of {len(view)} bytes")
+                rows[at] = 0
+                if recs is not None:
+                    filled = [row for i, row in zip(range(lo, hi), at.tolist()) if recs[i] is not None]
+                    for i, row in zip(range(lo, hi), at.tolist()):
+                        rec = recs[i]
+                        if rec is not None:
+                            _HEADER.pack_into(buf, row * HEADER_BYTES, _HDR_MAGIC, self.epoch, rec.key, rec.seq,
+                                              rec.checksum, self.slot_bytes)
+                    words[filled, 7] = header_sums(words[filled, :7])
+                _write_all(self._io, p.fd, [view], p.page_offset(first))
+            del rows, words  # release the buffer exports before the buffer may be replaced
 
-    def _pack_header(self, buf: mmap.mmap, rec: BlockRecord | None, at: int = 0) -> None:
-        buf[at : at + PAGE] = bytes(PAGE)
-        if rec is None:
-            return
-        checks = list(rec.dram_checksums) + [0] * (8 - len(rec.dram_checksums))
-        _HEADER.pack_into(buf, at, _HDR_MAGIC, self.epoch, rec.key, rec.seq, rec.checksum, self.slot_bytes,
-                          rec.dram_ready, *checks)
-        _HDR_SUM.pack_into(buf, at + _HEADER.size, xxhash.xxh3_64_intdigest(buf[at : at + _HEADER.size]))
+    def _by_path(self, locs: Sequence[SsdLocation] | np.ndarray) -> dict[int, np.ndarray]:
+        """Local slot arrays per path of SsdLocations or of an array of global slot numbers."""
+        if isinstance(locs, np.ndarray):
+            paths, local = self._map.split(locs.astype(np.int64))
+        else:
+            paths = np.fromiter((loc.path_index for loc in locs), dtype=np.int64, count=len(locs))
+            local = np.fromiter((loc.slot for loc in locs), dtype=np.int64, count=len(locs))
+        return {int(i): local[paths == i] for i in np.unique(paths)}
 
-    def _unpack_header(self, buf: bytes) -> BlockRecord | None:
-        if buf[:8] != _HDR_MAGIC:
-            return None
-        (want,) = _HDR_SUM.unpack_from(buf, _HEADER.size)
-        if xxhash.xxh3_64_intdigest(buf[: _HEADER.size]) != want:
-            return None
-        magic, epoch, key, seq, checksum, length, ready, *checks = _HEADER.unpack_from(buf, 0)
-        if epoch != self.epoch or length != self.slot_bytes:
-            return None
-        return BlockRecord(key, seq, checksum, ready, tuple(checks))
+    def _recover(self) -> Recovered:
+        """Read every path's header table in large requests and keep the valid headers.
 
-    def _recover(self) -> list[tuple[SsdLocation, BlockRecord]]:
-        found: list[tuple[SsdLocation, BlockRecord]] = []
-        batch = 64
-        buf = _aligned_page(batch)
+        Magic, epoch and length are checked on the whole table at once; only
+        headers that pass get their own checksum computed.
+        """
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        buf = _aligned_page(_RECOVER_PAGES)
+        mv = memoryview(buf)
         for p in self._paths:
-            for first in range(0, p.num_slots, batch):
-                count = min(batch, p.num_slots - first)
-                # The table is contiguous: one request per 64 headers, and page
-                # by page only where that request fails.
+            for first in range(0, p.table_pages, _RECOVER_PAGES):
+                count = min(_RECOVER_PAGES, p.table_pages - first)
                 try:
-                    whole = self._io.preadv(p.fd, [memoryview(buf)[: count * PAGE]], p.header_offset(first))
+                    n = self._io.preadv(p.fd, [mv[: count * PAGE]], p.page_offset(first))
                 except OSError:
-                    whole = -1
-                for s in range(first, first + count):
-                    view = memoryview(buf)[(s - first) * PAGE : (s - first + 1) * PAGE]
-                    if whole != count * PAGE:
-                        try:
-                            n = self._io.preadv(p.fd, [view], p.header_offset(s))
-                        except OSError as err:
-                            log.warning("kvtier: reading SSD header %s slot %d failed: %s", p.path, s, err)
-                            n = -1
-                        if n != PAGE:
-                            # Unknown contents: its header is rewritten empty before reuse.
-                            self.unreadable.add(SsdLocation(p.index, s))
-                            continue
-                    rec = self._unpack_header(bytes(view[: _HEADER.size + _HDR_SUM.size]))
-                    if rec is not None:
-                        found.append((SsdLocation(p.index, s), rec))
-        self._seq = max((r.seq for _, r in found), default=0)
-        return found
+                    n = -1
+                if n != count * PAGE:
+                    self._reread_pages(p, first, count, mv)
+                first_slot = first * HEADERS_PER_PAGE
+                nslots = min(count * HEADERS_PER_PAGE, p.num_slots - first_slot)
+                hdr = np.frombuffer(buf, dtype=_HDR_DTYPE, count=nslots)
+                cand = np.flatnonzero((hdr["magic"] == _HDR_MAGIC_U64) & (hdr["epoch"] == self.epoch)
+                                      & (hdr["length"] == self.slot_bytes))
+                if cand.size:
+                    words = np.frombuffer(buf, dtype="<u8", count=nslots * 8).reshape(-1, 8)[cand]
+                    ok = cand[header_sums(words[:, :7]) == words[:, 7]]
+                    parts.append((self._map.global_slots(p.index, first_slot + ok), hdr[ok].copy()))
+                del hdr
+        del mv
+        if not parts:
+            return Recovered.empty(self.location)
+        slots = np.concatenate([s for s, _ in parts])
+        hdrs = np.concatenate([h for _, h in parts])
+        keys = np.ascontiguousarray(hdrs["key"]).view(np.uint8).reshape(-1, 16)
+        self._seq = int(hdrs["seq"].max())
+        return Recovered(slots, keys, hdrs["seq"].copy(), hdrs["checksum"].copy(), self.location)
+
+    def _reread_pages(self, p: _Path, first: int, count: int, mv: memoryview) -> None:
+        """Page by page where a large table read failed; a page that cannot be
+        read is zeroed here (no block) and its slots are :attr:`unreadable`:
+        their headers are rewritten before reuse."""
+        for page in range(first, first + count):
+            view = mv[(page - first) * PAGE : (page - first + 1) * PAGE]
+            try:
+                n = self._io.preadv(p.fd, [view], p.page_offset(page))
+            except OSError as err:
+                log.warning("kvtier: reading SSD header page %d of %s failed: %s", page, p.path, err)
+                n = -1
+            if n != PAGE:
+                view[:] = bytes(PAGE)
+                lo = page * HEADERS_PER_PAGE
+                self.unreadable.update(SsdLocation(p.index, s) for s in range(lo, min(lo + HEADERS_PER_PAGE,
+                                                                                        p.num_slots)))
 
     # --- data -------------------------------------------------------------
 
@@ -475,23 +734,29 @@ class SsdTier:
         touched = sorted({loc.path_index for loc, _, _ in items})
         try:
             if reused:
-                self._write_headers([(loc, None) for loc in reused])
+                for i, local in self._by_path(reused).items():
+                    self._write_headers(i, local, None)
                 self._sync({loc.path_index for loc in reused})
             for loc, _, data in items:
                 p = self._paths[loc.path_index]
                 _write_all(io, p.fd, [data], p.data_offset(loc.slot))
             self._sync(touched)
-            self._write_headers([(loc, rec) for loc, rec, _ in items])
+            for i in touched:
+                mine = [(loc.slot, rec) for loc, rec, _ in items if loc.path_index == i]
+                self._write_headers(i, np.array([s for s, _ in mine], dtype=np.int64), [r for _, r in mine])
             self._sync(touched)
         except OSError as err:
             raise TierIOError(err.errno, f"SSD write failed: {err.strerror or err}") from err
 
-    def invalidate(self, locations: Sequence[SsdLocation]) -> None:
-        """Write empty headers at ``locations`` and make them durable: nothing
-        on disk names their blocks any more (an operator's reset)."""
+    def invalidate(self, locations: Sequence[SsdLocation] | np.ndarray) -> None:
+        """Write empty headers at ``locations`` (SsdLocations, or an array of
+        global slot numbers as the store's index keeps them) and make them
+        durable: nothing on disk names their blocks any more (an operator's reset)."""
         try:
-            self._write_headers([(loc, None) for loc in locations])
-            self._sync({loc.path_index for loc in locations})
+            by_path = self._by_path(locations)
+            for i, local in by_path.items():
+                self._write_headers(i, local, None)
+            self._sync(by_path)
         except OSError as err:
             raise TierIOError(err.errno, f"SSD write failed: {err.strerror or err}") from err
 
@@ -519,6 +784,64 @@ class SsdTier:
             p = self._paths[i]
             with p.sync_lock:
                 self._io.fdatasync(p.fd)
+
+
+def _check_space(paths: list[str], stats: list[os.stat_result | None], want: int | None,
+                 size_bytes: int | None) -> None:
+    """Refuse, before anything is created or grown, files that their file systems have no room for."""
+    if not want:
+        return
+    need: dict[int, list] = {}  # st_dev -> [bytes, directory, paths]
+    for path, st in zip(paths, stats):
+        if st is not None and (stat.S_ISBLK(st.st_mode) or st.st_size >= want):
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        dev = st.st_dev if st is not None else os.stat(parent).st_dev
+        have = st.st_blocks * 512 if st is not None else 0  # posix_fallocate fills holes too
+        entry = need.setdefault(dev, [0, parent, []])
+        entry[0] += max(0, want - have)
+        entry[2].append(path)
+    for missing, parent, on in need.values():
+        vfs = os.statvfs(parent)
+        free = vfs.f_bavail * vfs.f_frsize  # what unprivileged writers may use: root's reserve stays free
+        if missing > free:
+            raise ConfigError("ssd_size", size_bytes, f"{', '.join(on)} need {missing} more bytes, but the file "
+                              f"system of {parent} has {free} bytes free; give a smaller ssd_size")
+
+
+def _grow(o: _Opened, want: int | None, io: IoOps) -> None:
+    """Pre-allocate a regular file to ``want`` bytes, so a full disk is a start-up error, not a failed write later."""
+    if not want or not stat.S_ISREG(os.fstat(o.fd).st_mode) or os.fstat(o.fd).st_size >= want:
+        return
+    try:
+        io.fallocate(o.fd, 0, want)
+    except OSError as err:
+        raise ConfigError("ssd_path", o.path, f"cannot pre-allocate {want} bytes: {err.strerror}") from None
+
+
+def _why_not_recover(found: list[_Opened], slot_bytes: int, fingerprint: bytes) -> str | None:
+    """None when every path holds this tier's current superblock; else why the tier starts empty."""
+    epochs = set()
+    for i, o in enumerate(found):
+        if o.kind != "kvtier":
+            return f"{o.path} is new" if o.kind in ("new", "zeros") else f"{o.path} is overwritten (force_new_disk)"
+        if len(o.head) < _SUPER.size:
+            return f"{o.path}: superblock cut short"
+        _, version, index, old_slot, old_n, epoch, _, old_fp = _SUPER.unpack_from(o.head)
+        if version != _FORMAT:
+            return f"{o.path} holds SSD tier format {version}, this is format {_FORMAT}"
+        if old_fp != fingerprint:
+            return (f"{o.path} was written for another KV layout (fingerprint {old_fp.hex()}, now "
+                    f"{fingerprint.hex()})")
+        if (old_slot, old_n) != (slot_bytes, o.num_slots):
+            return (f"{o.path} has another slot geometry ({old_n} slots of {old_slot} bytes, now {o.num_slots} of "
+                    f"{slot_bytes})")
+        if index != i:
+            return f"{o.path} was path {index} of its tier, now path {i}"
+        epochs.add(epoch)
+    if len(epochs) > 1:
+        return "the paths belong to different tiers (epochs differ)"
+    return None
 
 
 def _new_epoch(taken: set[int]) -> int:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
-from kvtier.tier.ssd import PAGE, check_exclusive, device_size
+from kvtier.tier.ssd import PAGE, SNIFF_BYTES, SUPER_MAGIC, check_exclusive, device_size
 
 _CHUNK = 1 << 20
 
@@ -57,10 +57,20 @@ def kind_of(path: str) -> str:
 
 def prepare(path: str, size_bytes: int, loop: bool = False, force: bool = False) -> str:
     """Create a pre-allocated file of ``size_bytes``; with ``loop`` attach a loop
-    device with direct I/O on it. Returns the path to configure."""
+    device with direct I/O on it. Returns the path to configure.
+
+    The file's first 64 KiB are zeros afterwards, also when ``force`` reuses
+    an existing file: the SSD tier formats only paths that start so (or are
+    its own), never one that holds someone's data, so preparing a path is
+    how an operator says "this one may be overwritten".
+    """
     size = size_bytes - size_bytes % PAGE
     if os.path.exists(path) and not force:
         raise ConfigError("path", path, "exists (pass --force to reuse it)")
+    if os.path.exists(path):
+        why = _exclusive(path, os.stat(path))
+        if why:
+            raise ConfigError("path", path, f"in use, not prepared: {why}")
     parent = os.path.dirname(os.path.abspath(path)) or "."
     free = shutil.disk_usage(parent).free
     existing = os.path.getsize(path) if os.path.exists(path) else 0
@@ -69,6 +79,8 @@ def prepare(path: str, size_bytes: int, loop: bool = False, force: bool = False)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
+        os.pwrite(fd, bytes(min(SNIFF_BYTES, size)), 0)
+        os.fsync(fd)
     finally:
         os.close(fd)
     if not loop:
@@ -135,8 +147,14 @@ def check(path: str, bench_bytes: int = 256 << 20) -> DiskReport:
     try:
         rep.size_bytes = device_size(fd)
         buf = mmap.mmap(-1, _CHUNK)
-        n = os.preadv(fd, [memoryview(buf)[:PAGE]], 0) if rep.size_bytes >= PAGE else 0
-        rep.direct_io = n == PAGE or rep.size_bytes < PAGE
+        head = min(SNIFF_BYTES, rep.size_bytes // PAGE * PAGE)
+        n = os.preadv(fd, [memoryview(buf)[:head]], 0) if head else 0
+        rep.direct_io = n == head
+        # The tier formats only zeros or its own superblock: anything else is
+        # someone's data, and the server would refuse to start on it.
+        if n == head and buf[:8] != SUPER_MAGIC and buf[:head].count(0) != head:
+            rep.problems.append("holds data that is not kvtier's (the SSD tier refuses it); "
+                                "kvtier disk prepare --force or force_new_disk overwrites it")
     except OSError as err:
         rep.problems.append(f"direct I/O read failed: {err.strerror}")
     finally:

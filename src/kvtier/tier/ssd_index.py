@@ -1,0 +1,432 @@
+"""SsdIndex: the in-memory index of an SSD tier, a few flat arrays per slot.
+
+Runs in the process that owns the store (vLLM's scheduler process for the
+embedded backend); every method is called under the store's lock and is not
+thread safe on its own.
+
+A multi-TB SSD tier holds tens of millions of slots, so the index keeps no
+Python object per slot (a dict entry, an entry object and an LRU node cost
+~137 bytes per block). Everything is indexed by the *global slot number*
+``0 .. num_slots-1`` (:meth:`SsdTier.location` maps it to a path and a slot
+there):
+
+- ``keys``      16 bytes per slot (a bytearray, numpy views over it);
+- ``checksums`` and ``seqs``, uint64: what the slot's header on disk says;
+- ``recency``   int64: a counter, bumped on insert and on every touch; the
+  least recently used READY slots have the smallest values;
+- ``state``     one byte: FREE, DIRTY (free, but its header on disk may
+  still name an older block, so it is emptied before reuse), WRITING (taken
+  by a write in flight, not readable) and READY;
+- a free stack of int32 slot numbers;
+- an open-addressing hash table (linear probing, int32 slot numbers, a
+  power of two at most 3/4 full) from key to slot, deletes by backward
+  shift so no tombstones pile up;
+- pins in a dict, slot -> count: few slots are pinned (being promoted) at
+  once.
+
+That is 45 bytes per slot plus 5.3 to 10.7 bytes of hash table (measured in
+``bench/ssd_index.py`` and recorded in docs/benchmarks.md). The capacity is
+fixed (the number of slots), so the table never grows.
+
+Eviction picks its victims in one batch (``np.argpartition`` over the
+recency of READY, unpinned slots) and removes them together; a large batch
+rebuilds the hash table with vectorised probing instead of deleting key by
+key, so its cost is a few array passes amortised over the blocks it frees.
+
+Order of calls: :meth:`adopt` once at start-up (what recovery found), then
+:meth:`take` -> :meth:`begin_write` -> :meth:`publish` (or :meth:`remove`
+on failure) for each write; :meth:`get` / :meth:`touch` for lookups;
+:meth:`victims` -> :meth:`remove_many` for eviction; :meth:`release` returns
+slots whose headers an invalidation emptied (or failed to).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from kvtier.tier.ssd import BlockRecord, SsdLocation
+
+KEY_BYTES = 16
+_EMPTY = -1
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: test keys (small integers) spread as well as digests
+_M64 = (1 << 64) - 1
+# Above this share of the held keys, removing a batch rebuilds the table
+# (a few vectorised passes) instead of deleting key by key in Python.
+_REBUILD_SHARE = 1 / 16
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    DIRTY = 1  # free; its header on disk may still name a block: emptied before the slot is reused
+    WRITING = 2
+    READY = 3
+
+
+# Plain ints for the per-key paths: comparing a memoryview's int with an IntEnum member is slower.
+_FREE, _DIRTY, _WRITING, _READY = (int(s) for s in SlotState)
+
+
+class SsdEntry:
+    """A view of one slot of an :class:`SsdIndex`, made on access and never kept.
+
+    Has the attributes the store used on its per-block objects: ``ready``,
+    ``pins`` (settable), ``loc`` and ``rec`` (None unless READY).
+    """
+
+    __slots__ = ("_index", "slot")
+
+    def __init__(self, index: SsdIndex, slot: int) -> None:
+        self._index = index
+        self.slot = slot
+
+    @property
+    def ready(self) -> bool:
+        return self._index._st[self.slot] == _READY
+
+    @property
+    def pins(self) -> int:
+        return self._index._pins.get(self.slot, 0)
+
+    @pins.setter
+    def pins(self, n: int) -> None:
+        if n > 0:
+            self._index._pins[self.slot] = n
+        else:
+            self._index._pins.pop(self.slot, None)
+
+    @property
+    def loc(self) -> SsdLocation:
+        return self._index.locate(self.slot)
+
+    @property
+    def rec(self) -> BlockRecord | None:
+        if not self.ready:
+            return None
+        return self._index.record(self.slot)
+
+
+class SsdIndex:
+    """Key -> slot, slot state, recency and the free stack of ``num_slots`` SSD slots.
+
+    ``locate`` maps a global slot number to its :class:`SsdLocation` (the
+    tier's :meth:`SsdTier.location`); only :attr:`SsdEntry.loc` uses it.
+    """
+
+    def __init__(self, num_slots: int, locate: Callable[[int], SsdLocation] | None = None) -> None:
+        if not 0 <= num_slots < 2**31 - 1:
+            raise ValueError(f"num_slots must be in [0, 2**31 - 1), got {num_slots}")
+        self.num_slots = num_slots
+        self.locate = locate if locate is not None else (lambda slot: SsdLocation(0, slot))
+        n = max(1, num_slots)
+        self._key_bytes = bytearray(n * KEY_BYTES)  # sliced per lookup: a 16-byte copy compares fastest
+        self._keys = np.frombuffer(self._key_bytes, dtype="<u8").reshape(n, 2)
+        self._checksums = np.zeros(n, dtype=np.uint64)
+        self._seqs = np.zeros(n, dtype=np.uint64)
+        self._recency = np.zeros(n, dtype=np.int64)
+        self._state = np.zeros(n, dtype=np.uint8)
+        self._free = np.zeros(n, dtype=np.int32)
+        self._free[:num_slots] = np.arange(num_slots - 1, -1, -1)  # popped from the end: slot 0 first
+        self._free_top = num_slots
+        size = 8
+        while size * 3 < n * 4:  # at most 3/4 full
+            size *= 2
+        self._mask = size - 1
+        self._shift = 64 - size.bit_length() + 1
+        self._table = np.full(size, _EMPTY, dtype=np.int32)
+        # memoryviews give Python ints on scalar access, several times faster than numpy scalars.
+        self._t = memoryview(self._table)
+        self._st = memoryview(self._state)
+        self._rec = memoryview(self._recency)
+        self._fr = memoryview(self._free)
+        self._pins: dict[int, int] = {}
+        self._count = 0  # keys held (WRITING or READY)
+        self._clock = 0
+
+    # --- hashing ------------------------------------------------------------
+
+    def bucket(self, key: bytes) -> int:
+        """Home position of ``key`` in the hash table (tests use it to make collisions)."""
+        h = int.from_bytes(key, "little")  # the two halves as the vectorised path reads them ("<u8")
+        return ((((h ^ (h >> 64)) & _M64) * _MIX) & _M64) >> self._shift
+
+    def _buckets(self, slots: np.ndarray) -> np.ndarray:
+        k = self._keys[slots]
+        with np.errstate(over="ignore"):
+            h = (k[:, 0] ^ k[:, 1]) * np.uint64(_MIX)
+        return (h >> np.uint64(self._shift)).astype(np.int64)
+
+    def _find(self, key: bytes) -> tuple[int, int]:
+        """(table position, slot) of ``key``; slot -1 and the empty position where it would go."""
+        t, kb, mask = self._t, self._key_bytes, self._mask
+        pos = self.bucket(key)
+        while True:
+            s = t[pos]
+            if s < 0:
+                return pos, -1
+            if kb[s * KEY_BYTES : s * KEY_BYTES + KEY_BYTES] == key:
+                return pos, s
+            pos = (pos + 1) & mask
+
+    def _delete_at(self, pos: int) -> None:
+        """Empty table position ``pos``, shifting later members of its probe run back (no tombstones)."""
+        t, mask, kb = self._t, self._mask, self._key_bytes
+        hole = j = pos
+        while True:
+            j = (j + 1) & mask
+            s = t[j]
+            if s < 0:
+                break
+            home = self.bucket(bytes(kb[s * KEY_BYTES : s * KEY_BYTES + KEY_BYTES]))
+            # The member at j may move to the hole unless its home lies
+            # cyclically in (hole, j]: then a lookup would start past the hole.
+            if (home <= hole < j) or (hole < j < home) or (j < home <= hole):
+                t[hole] = s
+                hole = j
+        t[hole] = _EMPTY
+
+    def _rebuild(self, dedup: bool = False) -> list[int]:
+        """Refill the hash table from the WRITING and READY slots, vectorised.
+
+        Linear probing in rounds: every pending key tries its current
+        position; where several land on one empty position one wins (the
+        last write of a fancy assignment) and the others, like those that
+        met an occupied position, move one on. A position once filled stays
+        filled, so every key ends after an unbroken run from its home: the
+        probing invariant lookups rely on.
+
+        With ``dedup`` (recovery: a key may be on disk twice), copies of one
+        key share a home and move in step, so a copy that meets its key at
+        an occupied position is a duplicate: the higher sequence number
+        keeps the position. Returns the slots of the copies that lost.
+        """
+        table, keys, mask = self._table, self._keys, self._mask
+        table.fill(_EMPTY)
+        pending = np.flatnonzero(self._state >= SlotState.WRITING).astype(np.int32)
+        pos = self._buckets(pending)
+        stale: list[int] = []
+        while pending.size:
+            empty = table[pos] == _EMPTY
+            table[pos[empty]] = pending[empty]
+            rest = table[pos] != pending
+            pending, pos = pending[rest], pos[rest]
+            if dedup and pending.size:
+                same = (keys[table[pos]] == keys[pending]).all(axis=1)
+                if same.any():  # rare: blocks written twice before a crash
+                    for slot, at in zip(pending[same].tolist(), pos[same].tolist()):
+                        held = int(table[at])
+                        if self._seqs[slot] > self._seqs[held]:
+                            table[at] = slot
+                            stale.append(held)
+                        else:
+                            stale.append(slot)
+                    pending, pos = pending[~same], pos[~same]
+            pos = (pos + 1) & mask
+        return stale
+
+    # --- lookups ------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Keys held: being written or READY."""
+        return self._count
+
+    def __contains__(self, key: bytes) -> bool:
+        return self._find(key)[1] >= 0
+
+    def get(self, key: bytes) -> SsdEntry | None:
+        slot = self._find(key)[1]
+        return SsdEntry(self, slot) if slot >= 0 else None
+
+    def __getitem__(self, key: bytes) -> SsdEntry:
+        slot = self._find(key)[1]
+        if slot < 0:
+            raise KeyError(key)
+        return SsdEntry(self, slot)
+
+    def key(self, slot: int) -> bytes:
+        return bytes(self._key_bytes[slot * KEY_BYTES : (slot + 1) * KEY_BYTES])
+
+    def record(self, slot: int) -> BlockRecord:
+        return BlockRecord(self.key(slot), int(self._seqs[slot]), int(self._checksums[slot]))
+
+    def state(self, slot: int) -> SlotState:
+        return SlotState(self._st[slot])
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Make ``keys`` the most recently used, the first one most of all.
+
+        A prefix is touched front to back, so under pressure its tail goes
+        before its head, which keeps the longest usable prefix alive.
+        """
+        rec = self._rec
+        clock = self._clock
+        for key in reversed(keys):
+            slot = self._find(key)[1]
+            if slot >= 0:
+                clock += 1
+                rec[slot] = clock
+        self._clock = clock
+
+    # --- writes ---------------------------------------------------------------
+
+    def take(self) -> tuple[int, bool] | None:
+        """Pop a free slot: (slot, whether its old header must be emptied first), or None when full.
+
+        The slot belongs to the caller until :meth:`begin_write` or :meth:`release`.
+        """
+        if not self._free_top:
+            return None
+        self._free_top -= 1
+        slot = self._fr[self._free_top]
+        dirty = self._st[slot] == _DIRTY
+        self._st[slot] = _FREE
+        return slot, dirty
+
+    def begin_write(self, key: bytes, slot: int) -> int | None:
+        """Point ``key`` at ``slot`` (from :meth:`take`), WRITING: held, not readable.
+
+        A slot the key pointed at before is freed (DIRTY: its header still
+        names the key); returns it, else None.
+        """
+        pos, old = self._find(key)
+        if old >= 0:
+            self._t[pos] = slot
+            self._free_slot(old, dirty=True)
+        else:
+            self._t[pos] = slot
+            self._count += 1
+        self._key_bytes[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] = key
+        self._st[slot] = _WRITING
+        return old if old >= 0 else None
+
+    def publish(self, slot: int, checksum: int, seq: int) -> None:
+        """The write into ``slot`` is durable: READY, and the most recently used."""
+        assert self._st[slot] == _WRITING
+        self._checksums[slot] = checksum
+        self._seqs[slot] = seq
+        self._clock += 1
+        self._rec[slot] = self._clock
+        self._st[slot] = _READY
+
+    def remove(self, key: bytes, dirty: bool = True, free: bool = True) -> int | None:
+        """Forget ``key``; its slot goes back to the free stack (DIRTY unless told
+        its header is known empty), or with ``free`` False stays out of it
+        until :meth:`release` (its header is being emptied). Returns the
+        slot, or None if not held."""
+        pos, slot = self._find(key)
+        if slot < 0:
+            return None
+        self._delete_at(pos)
+        self._count -= 1
+        self._free_slot(slot, dirty, free)
+        return slot
+
+    def remove_slot(self, slot: int, dirty: bool = True, free: bool = True) -> None:
+        """:meth:`remove` of whatever key ``slot`` holds (WRITING or READY)."""
+        assert self._st[slot] >= _WRITING, f"slot {slot} holds no key"
+        got = self.remove(self.key(slot), dirty, free)
+        assert got == slot
+
+    def release(self, slots: Iterable[int] | np.ndarray, dirty: bool) -> None:
+        """Return slots that hold no key (taken and not used, or emptied by an
+        invalidation) to the free stack."""
+        arr = np.asarray(slots, dtype=np.int32).reshape(-1)
+        if not arr.size:
+            return
+        assert (self._state[arr] < SlotState.WRITING).all(), "a released slot still holds a key"
+        self._state[arr] = SlotState.DIRTY if dirty else SlotState.FREE
+        self._push(arr)
+
+    def _free_slot(self, slot: int, dirty: bool, free: bool = True) -> None:
+        self._st[slot] = _DIRTY if dirty else _FREE
+        self._pins.pop(slot, None)  # a late unpin finds the key gone, not a stranger in its slot
+        if free:
+            self._fr[self._free_top] = slot
+            self._free_top += 1
+
+    def _push(self, arr: np.ndarray) -> None:
+        top = self._free_top
+        self._free[top : top + arr.size] = arr
+        self._free_top = top + arr.size
+
+    # --- eviction and bulk removal --------------------------------------------------------
+
+    def victims(self, n: int) -> np.ndarray:
+        """Up to ``n`` READY, unpinned slots, least recently used first (one
+        ``argpartition`` for the whole batch, then a sort of the batch only)."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int32)
+        cand = self.ready_unpinned()
+        if n < cand.size:
+            cand = cand[np.argpartition(self._recency[cand], n - 1)[:n]]
+        return cand[np.argsort(self._recency[cand], kind="stable")]
+
+    def ready_unpinned(self) -> np.ndarray:
+        """Every READY slot nobody pins, in slot order (an operator's reset drops them all)."""
+        cand = np.flatnonzero(self._state == _READY).astype(np.int32)
+        if self._pins:
+            cand = cand[~np.isin(cand, np.fromiter(self._pins, dtype=np.int32, count=len(self._pins)))]
+        return cand
+
+    def remove_many(self, slots: np.ndarray, dirty: bool = True, free: bool = True) -> None:
+        """:meth:`remove_slot` of each of ``slots`` (distinct, each WRITING or READY)."""
+        if not slots.size:
+            return
+        if slots.size > self._count * _REBUILD_SHARE:
+            assert (self._state[slots] >= SlotState.WRITING).all()
+            self._state[slots] = SlotState.DIRTY if dirty else SlotState.FREE
+            self._count -= int(slots.size)
+            for s in slots.tolist():
+                self._pins.pop(s, None)
+            if free:
+                self._push(slots.astype(np.int32))
+            self._rebuild()
+            return
+        for s in slots.tolist():
+            self.remove_slot(s, dirty, free)
+
+    def pin_count(self) -> int:
+        return sum(self._pins.values())
+
+    # --- start-up -------------------------------------------------------------
+
+    def adopt(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, checksums: np.ndarray,
+              unreadable: Iterable[int] = ()) -> int:
+        """Load what recovery found: for a key found in several slots the copy
+        with the highest sequence number wins; the other copies' slots and the
+        slots whose headers could not be read are DIRTY. Recency follows the
+        sequence numbers. Returns how many keys are held. Call once, on an
+        empty index.
+
+        ``keys``: (n, 16) uint8; ``slots``, ``seqs``, ``checksums``: (n,).
+        """
+        assert self._count == 0 and self._free_top == self.num_slots
+        slots = np.asarray(slots, dtype=np.int64)
+        seqs = np.asarray(seqs, dtype=np.uint64)
+        self._keys[slots] = np.ascontiguousarray(keys, dtype=np.uint8).reshape(-1, KEY_BYTES).view("<u8")
+        self._seqs[slots] = seqs
+        self._checksums[slots] = np.asarray(checksums, dtype=np.uint64)
+        self._recency[slots] = seqs.astype(np.int64)
+        self._state[slots] = SlotState.READY
+        # Duplicates are found while the hash table is built (no sort of all the keys).
+        stale = np.asarray(self._rebuild(dedup=True), dtype=np.int64)
+        self._state[stale] = SlotState.DIRTY
+        self._count = int(slots.size - stale.size)
+        self._clock = int(seqs.max()) if seqs.size else 0
+        bad = np.asarray(list(unreadable), dtype=np.int64)
+        if bad.size:
+            bad = bad[self._state[bad] == SlotState.FREE]
+            self._state[bad] = SlotState.DIRTY
+        free = np.flatnonzero(self._state[: self.num_slots] < SlotState.WRITING)[::-1].astype(np.int32)
+        self._free[: free.size] = free
+        self._free_top = int(free.size)
+        return self._count
+
+    # --- accounting ---------------------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        """Bytes of the arrays behind the index (pins not counted: a handful)."""
+        return (len(self._key_bytes) + self._checksums.nbytes + self._seqs.nbytes + self._recency.nbytes
+                + self._state.nbytes + self._free.nbytes + self._table.nbytes)
