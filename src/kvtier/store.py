@@ -12,25 +12,46 @@ Order of calls for one engine step ``s``::
     probe(keys)                   how many leading keys are in DRAM / on SSD
     promote(keys)                 start reading SSD-only keys into DRAM
     pin(keys, s)        -> slots  the DRAM slots a reader will copy from
-    prepare_save(keys, s) -> slots  DRAM slots a writer will fill (PENDING)
+    prepare_save(keys, s) -> SaveSlots  DRAM slots a writer will fill (PENDING)
     complete_step(s, failed)      writers and readers of step s are done
+
+A probe keeps what it reported: a block it counts as readable in DRAM
+stays there until the caller pins it (a pending "free once written to SSD"
+is cancelled). ``prepare_save`` tells a key already held (nothing to do)
+from one that got no slot for lack of room (to be saved in a later step).
 
 DRAM eviction (a save or promotion that would pass ``high_pct``) runs down
 to ``low_pct`` in policy order: a block already on SSD is freed at once; one
 that is not is demoted (written to SSD through a bounded queue, freed once
-durable), unless DRAM usage is at or above ``dram_watermark_pct`` or the
-queue is full, when it is freed without a copy. The SSD tier evicts its
-own least recently used blocks between its own watermarks. Ahead of that,
-once DRAM holds more than ``2 * low - high`` percent, the least recently
-used blocks are copied to SSD in the background ("cleaned"), so that the
-eviction that follows frees them at once: a promotion or a burst of saves
-then finds room without waiting for writes.
+durable), unless DRAM usage is at or above ``dram_watermark_pct``, the
+queue is full or SSD writes were given up, when it is freed without a
+copy. The SSD tier evicts its own least recently used blocks between its
+own watermarks. Ahead of that, once DRAM holds more than ``2 * low - high``
+percent, the least recently used blocks without an SSD copy are copied in
+the background ("cleaned"), so that the eviction that follows frees them at
+once: a promotion or a burst of saves then finds room without waiting for
+writes. Blocks without an SSD copy are kept in a recency order of their own
+("dirty"), so cleaning looks only at candidates, and every walk stops once
+it has what it needs: a step costs what it changes, not the pool's size.
+
+A failed SSD write (a batch of demotions) backs cleaning off: it copies
+nothing for 2, 4, 8, ... completed steps, and then one batch at a time
+until a write succeeds (which resets the count); evictions still try the
+one copy of each block they evict, one batch at a time. After
+``DEMOTE_GIVE_UP`` failed batches in a row the store stops writing to SSD
+for good (one log line, counted), while SSD reads go on.
+
+``clear`` (vLLM's reset after a weight update) drops every entry not in use
+and dooms the rest: pinned, PENDING, PROMOTING and demoting entries become
+unreadable at once, are refused at pin, publish, promotion and demotion
+completion, and their SSD copies are never published (one written anyway
+gets its header emptied). Nothing from before a reset matches after it.
 
 Invariants: PENDING and PROMOTING entries are never readable and never
-evicted; pinned and demoting entries are never evicted; a slot (DRAM or SSD)
-returns to its free list only once no entry points at it. Every public
-method and every I/O completion takes the store's lock; I/O itself runs
-outside it.
+evicted; pinned and demoting entries are never evicted; doomed entries are
+never readable again; a slot (DRAM or SSD) returns to its free list only
+once no entry points at it. Every public method and every I/O completion
+takes the store's lock; I/O itself runs outside it.
 """
 
 from __future__ import annotations
@@ -44,18 +65,25 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import xxhash
 
 from kvtier.errors import TierIOError
 from kvtier.policy import EvictionPolicy, LruPolicy
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
-from kvtier.tier.ssd import BlockRecord, SsdLocation, SsdTier
+from kvtier.tier.ssd import BlockRecord, Recovered, SsdLocation, SsdTier
+from kvtier.tier.ssd_index import SsdIndex
 
 log = logging.getLogger(__name__)
 
 _IO_BATCH = 16  # blocks per demotion job: one round of fdatasyncs per batch
 _PROMOTE_BATCH = 4  # blocks per promotion job: small, so all I/O threads share a prefix's reads
+# Failed demotion batches in a row after which SSD writes stop for good. With
+# the back-off doubling from 2 steps, the last try comes 2+4+8+16+32 = 62
+# completed steps after the first failure: a transient error (a full disk
+# being cleaned up) has time to pass, a dead disk is not written forever.
+DEMOTE_GIVE_UP = 6
 
 
 class EntryState(enum.Enum):
@@ -76,15 +104,25 @@ class _Entry:
     doomed: bool = False  # found bad: unreadable now, dropped as soon as nothing uses it
 
 
-@dataclass
-class _SsdEntry:
-    loc: SsdLocation
-    rec: BlockRecord | None  # None while being written
-    pins: int = 0  # promotions reading it
+class SaveSlots(list):
+    """What :meth:`TieredStore.prepare_save` hands out: one DRAM slot per
+    key, None where the key got none. A list, so a caller that only wants
+    the slots reads it as one.
 
-    @property
-    def ready(self) -> bool:
-        return self.rec is not None
+    ``placed``: the leading keys that are settled, each given a slot or
+    already held (READY, PENDING, PROMOTING, or repeated earlier in the
+    call): nothing more to do for them. The key at ``placed`` got no slot,
+    for lack of room (slots in use, or room still being written out to SSD)
+    or because a doomed entry of the same key has not gone yet; it and the
+    keys after it are to be planned again in a later step (a repeat is
+    harmless: what got a slot now is held then).
+    """
+
+    __slots__ = ("placed",)
+
+    def __init__(self, slots: Iterable[int | None] = (), placed: int = 0) -> None:
+        super().__init__(slots)
+        self.placed = placed
 
 
 @dataclass(frozen=True)
@@ -118,6 +156,7 @@ class EventCounts:
     ssd_read_errors: int = 0  # SSD copies that could not be read back (then forgotten)
     ssd_evictions: int = 0
     corrupt_dram: int = 0  # DRAM blocks found bad before demotion
+    ssd_write_give_ups: int = 0  # 1 once SSD writes stopped after DEMOTE_GIVE_UP failed batches in a row
 
 
 @dataclass(frozen=True)
@@ -149,7 +188,7 @@ class TieredStore:
                  policy: EvictionPolicy | None = None, *, ssd: SsdTier | None = None,
                  ssd_high_pct: float = 95.0, ssd_low_pct: float = 85.0, dram_watermark_pct: float = 95.0,
                  io_threads: int = 4, demote_queue_blocks: int = 256,
-                 recovered: Iterable[tuple[SsdLocation, BlockRecord]] = ()) -> None:
+                 recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]] = ()) -> None:
         self.tier = tier
         self._policy = policy if policy is not None else LruPolicy()
         self._entries: dict[bytes, _Entry] = {}
@@ -169,14 +208,28 @@ class TieredStore:
         # once instead of waiting for a write.
         self._clean_mark = max(0, 2 * self._low - self._high)
         self._demote_limit = demote_queue_blocks
+        # READY entries with no SSD copy and none being written, in recency
+        # order: what cleaning may copy. Walking only these keeps a step's
+        # cost to what changed; the full policy order is mostly blocks
+        # already copied once DRAM sits above the clean mark.
+        self._dirty = LruPolicy()
+        # Back-off of SSD writes, counted in completed steps (complete_step
+        # calls), not wall time: after a failed batch cleaning starts no
+        # write before step ``_demote_resume``; ``_demote_fails`` failed in a row.
+        self._steps_done = 0
+        self._demote_fails = 0
+        self._demote_resume = 0
+        self._writes_off = False  # gave up on SSD writes
         self._inflight: set[Future] = set()
         self._idle = threading.Condition(self._lock)
 
         self.ssd = ssd
-        self._ssd_entries: dict[bytes, _SsdEntry] = {}
-        self._ssd_policy = LruPolicy()
-        self._ssd_free: list[SsdLocation] = []
-        self._ssd_dirty: set[SsdLocation] = set()  # may hold a valid older header on disk
+        # Key -> SSD slot, slot states (free, dirty: may hold a valid older
+        # header on disk, writing, ready), recency and pins, in flat arrays:
+        # a multi-TB tier has tens of millions of slots (tier/ssd_index.py).
+        # An empty one without an SSD tier, so lookups need no branch.
+        self._ssd_entries = SsdIndex(ssd.num_slots if ssd is not None else 0,
+                                     ssd.location if ssd is not None else None)
         self._io: ThreadPoolExecutor | None = None
         if ssd is not None:
             if ssd.slot_bytes != tier.slot_stride:
@@ -185,19 +238,20 @@ class TieredStore:
             self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-io")
             self._adopt(recovered)
 
-    def _adopt(self, recovered: Iterable[tuple[SsdLocation, BlockRecord]]) -> None:
-        used: set[SsdLocation] = set()
-        for loc, rec in sorted(recovered, key=lambda lr: lr[1].seq):
-            old = self._ssd_entries.get(rec.key)
-            if old is not None:  # written twice: the newer copy wins, the older slot is reused later
-                self._ssd_dirty.add(old.loc)
-                used.discard(old.loc)
-                self._ssd_policy.remove(rec.key)
-            self._ssd_entries[rec.key] = _SsdEntry(loc, rec)
-            self._ssd_policy.insert(rec.key)
-            used.add(loc)
-        self._ssd_free = [loc for loc in reversed(self.ssd.locations()) if loc not in used]
-        self._ssd_dirty |= self.ssd.unreadable - used
+    def _adopt(self, recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]]) -> None:
+        # Written twice (a newer copy elsewhere before a crash): the newest
+        # sequence number wins, the older slots are reused later (dirty), as
+        # are slots whose headers recovery could not read.
+        unreadable = [self.ssd.slot_number(loc) for loc in self.ssd.unreadable]
+        if isinstance(recovered, Recovered):
+            self._ssd_entries.adopt(recovered.slots, recovered.key_bytes, recovered.seqs, recovered.checksums,
+                                    unreadable)
+            return
+        pairs = list(recovered)
+        self._ssd_entries.adopt(np.array([self.ssd.slot_number(loc) for loc, _ in pairs], dtype=np.int64),
+                                np.frombuffer(b"".join(r.key for _, r in pairs), dtype=np.uint8).reshape(-1, 16),
+                                np.array([r.seq for _, r in pairs], dtype=np.uint64),
+                                np.array([r.checksum for _, r in pairs], dtype=np.uint64), unreadable)
 
     def close(self) -> None:
         """Finish the I/O in flight, then stop the I/O threads (tiers are closed by their owner)."""
@@ -212,6 +266,10 @@ class TieredStore:
         return self.probe(keys).ready
 
     def probe(self, keys: Sequence[bytes]) -> Probe:
+        """Leading ``keys`` held, refreshing their recency. A block counted
+        as readable in DRAM stays readable there until the caller pins it
+        (its pending "free once on SSD" is cancelled): the caller tells vLLM
+        about the hit before it can pin it."""
         with self._lock:
             ready = total = 0
             entries, ssd = self._entries, self._ssd_entries
@@ -220,6 +278,13 @@ class TieredStore:
                 if e is not None and e.doomed:
                     break
                 if e is not None and e.state is EntryState.READY:
+                    if e.evict_after:
+                        # Evicted while its SSD copy is written: the I/O thread
+                        # would free it between this lookup and the pin, and the
+                        # load would be planned from no slot (issue 7, item 7;
+                        # test_store_pressure.py). It was just used, so it stays.
+                        e.evict_after = False
+                        self._freeing -= 1
                     if ready == total:
                         ready += 1
                     total += 1
@@ -236,8 +301,10 @@ class TieredStore:
             self._c.lookup_hits += total
             if total:
                 self._policy.touch(keys[:total])
+                if self._dirty:
+                    self._dirty.touch(keys[:total])
                 if ssd:
-                    self._ssd_policy.touch(keys[:total])
+                    ssd.touch(keys[:total])
             return Probe(ready, total)
 
     def promote(self, keys: Sequence[bytes]) -> int:
@@ -304,34 +371,48 @@ class TieredStore:
         with self._lock:
             return key in self._entries
 
-    def prepare_save(self, keys: Sequence[bytes], step: int) -> list[int | None]:
-        """DRAM slots for writing ``keys`` in ``step``; None for a key already
-        held in DRAM (or being written) and for one there is no room for."""
-        out: list[int | None] = []
+    def prepare_save(self, keys: Sequence[bytes], step: int) -> SaveSlots:
+        """DRAM slots for writing ``keys`` in ``step`` (entries PENDING until
+        :meth:`complete_step`); None for a key already held in DRAM (or being
+        written) and for one there is no room for: ``placed`` on the result
+        tells which (see :class:`SaveSlots`)."""
+        out = SaveSlots()
+        placed = -1  # index of the first key not settled, once found
         with self._lock:
-            new = [k for k in dict.fromkeys(keys) if k not in self._entries]
+            entries = self._entries
+            new = [k for k in dict.fromkeys(keys) if k not in entries]
             self._make_room_locked(len(new))
             wanted = set(new)
             pending = self._pending_by_step.setdefault(step, [])
             added: list[bytes] = []
-            for key in keys:
+            for i, key in enumerate(keys):
                 if key not in wanted:
+                    # Held, or repeated: settled. A doomed entry is on its way
+                    # out (a reset, or a save of a step that followed a failed
+                    # load): it will not be readable, so the key is to be saved
+                    # again once it has gone.
+                    e = entries.get(key)
+                    if placed < 0 and e is not None and e.doomed:
+                        placed = i
                     out.append(None)
                     continue
                 wanted.discard(key)
                 if not self._free:
+                    if placed < 0:
+                        placed = i
                     out.append(None)
                     continue
                 slot = self._free.pop()
                 self.tier.clear(slot, key)
                 s = self._ssd_entries.get(key)
-                self._entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready)
+                entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready)
                 pending.append(key)
                 added.append(key)
                 out.append(slot)
             # Insert tail first so that the head of a prefix is evicted last.
             for key in reversed(added):
                 self._policy.insert(key)
+        out.placed = len(out) if placed < 0 else placed
         return out
 
     def complete_step(self, step: int, failed_slots: Iterable[int] = ()) -> None:
@@ -344,16 +425,18 @@ class TieredStore:
         """
         failed = set(failed_slots)
         with self._lock:
+            self._steps_done += 1  # the clock of the SSD write back-off
             for s in [s for s in self._pending_by_step if s <= step]:
                 for key in self._pending_by_step.pop(s):
                     e = self._entries.get(key)
-                    if e is None or e.state is not EntryState.PENDING:
+                    if e is None or e.state is not EntryState.PENDING or e.step != s:
                         continue
                     if e.slot in failed or e.doomed:
                         self._c.save_failures += 1
                         self._drop(key, e)
                     else:
                         e.state = EntryState.READY
+                        self._sync_dirty(key, e)
             for s in [s for s in self._pins_by_step if s <= step]:
                 for key in self._pins_by_step.pop(s):
                     e = self._entries.get(key)
@@ -392,6 +475,7 @@ class TieredStore:
                     self._drop(key, e)
                 else:
                     e.doomed = True
+                    self._sync_dirty(key, e)
         return n
 
     def doom_pending(self, after_step: int) -> int:
@@ -408,68 +492,108 @@ class TieredStore:
                     continue
                 for key in keys:
                     e = self._entries.get(key)
-                    if e is not None and e.state is EntryState.PENDING:
+                    if e is not None and e.state is EntryState.PENDING and e.step == s and not e.doomed:
                         e.doomed = True
                         n += 1
         return n
 
     def clear(self) -> int:
-        """Drop every DRAM and SSD entry not in use (an operator's reset). Returns how many.
+        """Forget everything held (vLLM's reset after a weight update): after
+        this nothing stored before it is readable, now or later. Returns how
+        many DRAM and SSD entries were dropped or doomed.
 
-        Dropped SSD blocks also get empty headers on disk (on an I/O thread),
-        so a restart does not bring them back; their slots are reused only
-        after that.
+        DRAM entries not in use are dropped. The others are doomed: a pinned
+        one is dropped when its readers are done, a PENDING one when its step
+        completes, a PROMOTING one when its read ends (with its SSD copy), a
+        demoting one when its write ends, and that SSD copy is never
+        published. Dropped SSD blocks get empty headers on disk (on an I/O
+        thread), so a restart does not bring them back; their slots are
+        reused only after that.
         """
         with self._lock:
-            keys = [k for k, e in self._entries.items()
-                    if e.pins == 0 and e.state is EntryState.READY and not e.demoting]
-            for key in keys:
-                self._drop(key, self._entries[key])
-            ssd_keys = [k for k, s in self._ssd_entries.items() if s.ready and s.pins == 0]
-            locs = []
-            for key in ssd_keys:
-                s = self._ssd_entries.pop(key)
-                self._ssd_policy.remove(key)
-                locs.append(s.loc)
-                e = self._entries.get(key)
-                if e is not None:
-                    e.on_ssd = False
-            if locs:
-                self._submit(self._invalidate, locs)
-        return len(keys) + len(ssd_keys)
+            n = 0
+            for key, e in list(self._entries.items()):
+                if e.doomed:
+                    continue
+                n += 1
+                if e.pins == 0 and e.state is EntryState.READY and not e.demoting:
+                    self._drop(key, e)
+                else:
+                    e.doomed = True
+                    self._sync_dirty(key, e)
+            # SSD copies pinned by a promotion go when it ends (_promote);
+            # those being written are not in the index yet (_demote).
+            ssd_slots = self._ssd_entries.ready_unpinned()
+            # Forgotten now, but the slots are free only once their headers are empty on disk.
+            self._ssd_entries.remove_many(ssd_slots, free=False)
+            self._ssd_copies_dropped(ssd_slots)
+            if ssd_slots.size:
+                self._submit(self._invalidate, ssd_slots)
+        return n + int(ssd_slots.size)
 
-    def _invalidate(self, locs: list[SsdLocation]) -> None:
+    def _invalidate(self, slots: Sequence[int] | np.ndarray) -> None:
+        """Empty the headers of SSD ``slots`` (global numbers, no longer in the
+        index) on disk, then free the slots. Runs on an I/O thread."""
         assert self.ssd is not None
+        slots = np.asarray(slots, dtype=np.int64)
         try:
-            self.ssd.invalidate(locs)
+            self.ssd.invalidate(slots)
             dirty = False
         except TierIOError as err:
             log.warning("kvtier: clearing SSD headers failed (%s); the slots are rewritten before reuse", err)
             dirty = True
         with self._lock:
-            self._ssd_free.extend(locs)
-            if dirty:
-                self._ssd_dirty.update(locs)
-            else:
-                self._ssd_dirty.difference_update(locs)
+            self._ssd_entries.release(slots, dirty)
 
     # --- DRAM room --------------------------------------------------------
 
     def _effective_used(self) -> int:
         return len(self._entries) - self._freeing
 
-    def _clean_locked(self) -> None:
-        if self.ssd is None or len(self._entries) <= self._clean_mark or self._demoting >= self._demote_limit:
+    def _demote_room(self, ahead: bool) -> int:
+        """How many blocks may start their SSD write now; ``ahead``: for
+        cleaning, which backs off after a failure. An eviction still tries
+        the one copy of each block it evicts (the block leaves DRAM either
+        way, so it is never retried), one batch at a time after a failure."""
+        if self._writes_off or (ahead and self._steps_done < self._demote_resume):
+            return 0
+        if self._demote_fails:
+            # After a failed batch, one batch at a time until a write
+            # succeeds: a failing disk gets one batch per back-off, not a
+            # queue's worth.
+            return min(self._demote_limit, _IO_BATCH) if self._demoting == 0 else 0
+        return max(0, self._demote_limit - self._demoting)
+
+    def _sync_dirty(self, key: bytes, e: _Entry) -> None:
+        """Keep ``key`` in the dirty order exactly while cleaning may copy it."""
+        if self.ssd is None:
             return
+        if e.state is EntryState.READY and not (e.on_ssd or e.demoting or e.doomed):
+            if key not in self._dirty:
+                # A block whose copy failed or was dropped comes back at the
+                # recent end, behind the blocks that never had one.
+                self._dirty.insert(key)
+        else:
+            self._dirty.remove(key)
+
+    def _clean_locked(self) -> None:
+        if self.ssd is None or len(self._entries) <= self._clean_mark:
+            return
+        room = self._demote_room(ahead=True)
+        # Only dirty blocks are walked, coldest first, and only until the
+        # queue is full: the cost is the queue's room (plus pinned blocks
+        # passed over), not the number of blocks held (issue 7, item 10).
         batch: list[bytes] = []
-        for key in self._policy.victims():
-            if self._demoting >= self._demote_limit:
+        for key in self._dirty.victims():
+            if room <= 0:
                 break
             e = self._entries[key]
-            if e.on_ssd or e.demoting or e.pins or e.doomed or e.state is not EntryState.READY:
-                continue
+            if e.pins:
+                continue  # being read: copied once its readers are done
             e.demoting = True
+            self._dirty.remove(key)
             self._demoting += 1
+            room -= 1
             batch.append(key)
             if len(batch) == _IO_BATCH:
                 self._submit(self._demote, batch)
@@ -482,15 +606,22 @@ class TieredStore:
             self._evict_to(max(0, self._low - n_new))
 
     def _evict_to(self, target: int) -> None:
+        # Both walks are lazy and stop once DRAM is down to ``target``: they
+        # look at the blocks freed plus the ones passed over (pinned, PENDING,
+        # PROMOTING, being freed), not at the whole pool.
         freed = demoted = lost = 0
         batch: list[bytes] = []
-        if self.ssd is not None and (len(self._entries) >= self._watermark or self._demoting >= self._demote_limit):
+        room = self._demote_room(ahead=False) if self.ssd is not None else 0
+        if self.ssd is not None and (len(self._entries) >= self._watermark or room == 0):
             # Freeing fast: among the colder half of DRAM, blocks whose SSD
             # copy is already written go first, before any block is freed
             # without a copy. The hotter half is left alone: it holds what
-            # was just promoted or looked up and is about to be read.
+            # was just promoted or looked up and is about to be read. Cleaning
+            # keeps the cold end copied, so this walk usually stops after the
+            # blocks it frees; it is longest when copies lag, once per eviction
+            # (which frees ``high - low``), not per step.
             window = max(self._effective_used() - target, len(self._entries) // 2)
-            for key in list(itertools.islice(self._policy.victims(), window)):
+            for key in itertools.islice(self._policy.victims(), window):
                 if self._effective_used() <= target:
                     break
                 e = self._entries[key]
@@ -516,12 +647,15 @@ class TieredStore:
             elif self.ssd is None or e.on_ssd:
                 self._drop(key, e)
                 freed += 1
-            elif len(self._entries) >= self._watermark or self._demoting >= self._demote_limit:
-                # Above the DRAM watermark (or with the queue full) free fast: no new writes.
+            elif len(self._entries) >= self._watermark or room == 0:
+                # Above the DRAM watermark, with the queue full or SSD writes
+                # given up, free fast: no new writes.
                 self._drop(key, e)
                 lost += 1
             else:
                 e.demoting = e.evict_after = True
+                self._dirty.remove(key)
+                room -= 1
                 self._demoting += 1
                 self._freeing += 1
                 batch.append(key)
@@ -544,31 +678,27 @@ class TieredStore:
     def _drop(self, key: bytes, e: _Entry) -> None:
         del self._entries[key]
         self._policy.remove(key)
+        self._dirty.remove(key)
         self.tier.clear(e.slot)
         self._free.append(e.slot)
 
     # --- SSD room ---------------------------------------------------------
 
-    def _take_ssd_locked(self) -> tuple[SsdLocation, bool] | None:
+    def _take_ssd_locked(self) -> tuple[int, bool] | None:
+        """A free SSD slot (global number) and whether it may hold an older header, or None."""
         if len(self._ssd_entries) + 1 > self._ssd_high:
             self._evict_ssd_to(self._ssd_low)
-        if not self._ssd_free:
-            return None
-        loc = self._ssd_free.pop()
-        reused = loc in self._ssd_dirty
-        self._ssd_dirty.discard(loc)
-        return loc, reused
+        return self._ssd_entries.take()
 
     def _evict_ssd_to(self, target: int) -> None:
-        n = 0
-        for key in self._ssd_policy.victims():
-            if len(self._ssd_entries) <= target:
-                break
-            s = self._ssd_entries[key]
-            if s.pins or not s.ready:
-                continue
-            self._drop_ssd(key)
-            n += 1
+        # One batch of the least recently used READY, unpinned blocks, chosen
+        # and removed together: the cost is spread over the blocks it frees.
+        # Their headers still name them until the slots are reused; reuse
+        # first writes empty headers (SsdTier.write, step 1).
+        slots = self._ssd_entries.victims(len(self._ssd_entries) - target)
+        self._ssd_entries.remove_many(slots)
+        self._ssd_copies_dropped(slots)
+        n = int(slots.size)
         self._c.ssd_evictions += n
         now = time.monotonic()
         if n and now - self._last_ssd_eviction_log > EVICTION_LOG_INTERVAL_S:
@@ -577,15 +707,28 @@ class TieredStore:
                      n, len(self._ssd_entries), self.ssd.num_slots, self._c.ssd_evictions)
 
     def _drop_ssd(self, key: bytes) -> None:
-        s = self._ssd_entries.pop(key)
-        self._ssd_policy.remove(key)
         # The header on disk still names the block until the slot is reused;
         # reuse first writes an empty header (SsdTier.write, step 1).
-        self._ssd_free.append(s.loc)
-        self._ssd_dirty.add(s.loc)
+        self._ssd_entries.remove(key, dirty=True)
         e = self._entries.get(key)
         if e is not None:
             e.on_ssd = False
+            self._sync_dirty(key, e)  # DRAM holds the only copy again: cleaning may copy it
+
+    def _ssd_copies_dropped(self, slots: np.ndarray) -> None:
+        """DRAM entries of the keys just dropped from SSD ``slots`` have no SSD copy any more."""
+        if slots.size <= len(self._entries):
+            for slot in slots.tolist():
+                key = self._ssd_entries.key(slot)  # still there: the slot is not reused under this lock
+                e = self._entries.get(key)
+                if e is not None:
+                    e.on_ssd = False
+                    self._sync_dirty(key, e)
+        else:  # a drop larger than DRAM: cheaper from the DRAM side
+            for key, e in self._entries.items():
+                if e.on_ssd and key not in self._ssd_entries:
+                    e.on_ssd = False
+                    self._sync_dirty(key, e)
 
     # --- I/O jobs (run on the I/O threads) ----------------------------------
 
@@ -616,26 +759,27 @@ class TieredStore:
     def _demote(self, keys: list[bytes]) -> None:
         assert self.ssd is not None
         plan: list[tuple[bytes, int, SsdLocation, BlockRecord, bool]] = []
+        dram_sums: dict[bytes, tuple[int, ...]] = {}  # DRAM header checksums, checked before the copy
         with self._lock:
             for key in keys:
                 e = self._entries[key]
+                if e.doomed:  # reset (or found bad) since it was queued: nothing to write
+                    self._finish_demotion_locked(key, ok=False, count=False)
+                    continue
                 got = self._take_ssd_locked()
                 old = self._ssd_entries.get(key)
                 if got is None or (old is not None and not old.ready):
                     if got is not None:
-                        self._ssd_free.append(got[0])
-                        if got[1]:
-                            self._ssd_dirty.add(got[0])
+                        self._ssd_entries.release([got[0]], dirty=got[1])
                     self._finish_demotion_locked(key, ok=False)
                     continue
-                loc, reused = got
-                hdr = self.tier.header(e.slot)
-                rec = BlockRecord(key, self.ssd.next_seq(), 0, hdr.ready_mask, hdr.checksums)
-                self._ssd_entries[key] = _SsdEntry(loc, None)
-                if old is not None:  # an older copy elsewhere: this one replaces it
-                    self._ssd_free.append(old.loc)
-                    self._ssd_dirty.add(old.loc)
-                    self._ssd_policy.remove(key)
+                ssd_slot, reused = got
+                loc = self.ssd.location(ssd_slot)
+                rec = BlockRecord(key, self.ssd.next_seq(), 0)
+                dram_sums[key] = self.tier.header(e.slot).checksums
+                # WRITING: held, not readable. An older copy elsewhere is
+                # replaced; its slot is freed (dirty: its header names the key).
+                self._ssd_entries.begin_write(key, ssd_slot)
                 plan.append((key, e.slot, loc, rec, reused))
         if not plan:
             return
@@ -648,7 +792,7 @@ class TieredStore:
                 # Only what still matches its DRAM checksums goes to SSD: the SSD
                 # checksum is computed here, so a block that went bad in DRAM
                 # would otherwise be stored as a "valid" block.
-                if not self._dram_intact(slot, key, rec):
+                if not self._dram_intact(slot, key, dram_sums[key]):
                     bad.add(key)
                     continue
                 data = self.tier.slot_buffer(slot)
@@ -661,28 +805,61 @@ class TieredStore:
         except Exception:  # noqa: BLE001 - never leave entries demoting forever
             log.exception("kvtier: demoting %d blocks failed", len(plan))
         written = {loc: rec for loc, rec, _ in items} if ok else {}
+        refused: list[int] = []  # global SSD slot numbers
         with self._lock:
             for key, _, loc, _, _ in plan:
                 rec = written.get(loc)
-                if rec is not None:
-                    self._ssd_entries[key].rec = rec
-                    self._ssd_policy.insert(key)
+                stale = rec is not None and self._entries[key].doomed
+                if stale:
+                    # Doomed while written (a reset, or a reader found it bad):
+                    # the copy must never be found, now or after a restart, so
+                    # it is not published and its header is emptied before the
+                    # slot is freed (_invalidate, below).
+                    self._ssd_entries.remove_slot(self.ssd.slot_number(loc), free=False)
+                    refused.append(self.ssd.slot_number(loc))
+                    rec = None
+                elif rec is not None:
+                    self._ssd_entries.publish(self.ssd.slot_number(loc), rec.checksum, rec.seq)
                 else:
-                    del self._ssd_entries[key]
-                    self._ssd_free.append(loc)
-                    self._ssd_dirty.add(loc)  # a header may have reached the disk
+                    # Freed dirty: a header may have reached the disk.
+                    self._ssd_entries.remove_slot(self.ssd.slot_number(loc))
                 if key in bad:
                     self._c.corrupt_dram += 1
                     self._entries[key].doomed = True
-                self._finish_demotion_locked(key, rec is not None)
+                self._finish_demotion_locked(key, rec is not None, count=not stale)
+            if items:
+                self._note_write_locked(ok)
+        if refused:
+            self._invalidate(refused)  # on this I/O thread: the pool may be shutting down
 
-    def _dram_intact(self, slot: int, key: bytes, rec: BlockRecord) -> bool:
+    def _note_write_locked(self, ok: bool) -> None:
+        """Back off SSD writes after a failed batch; give up after DEMOTE_GIVE_UP in a row."""
+        if ok:
+            self._demote_fails = 0
+            return
+        if self._writes_off or self._steps_done < self._demote_resume:
+            return  # started before the back-off began: the same outage, counted once
+        self._demote_fails += 1
+        if self._demote_fails >= DEMOTE_GIVE_UP:
+            self._writes_off = True
+            self._c.ssd_write_give_ups += 1
+            log.error("kvtier: %d SSD write batches failed in a row; no more blocks are written to SSD "
+                      "(blocks already there are still read); restart kvtier once the disk is fixed",
+                      self._demote_fails)
+        else:
+            # Counted in completed steps: a dead disk costs one batch per
+            # back-off, and tests need no clock.
+            self._demote_resume = self._steps_done + 2 ** self._demote_fails
+
+    def _dram_intact(self, slot: int, key: bytes, checksums: tuple[int, ...]) -> bool:
         hdr = self.tier.header(slot)
         if hdr.key != key or hdr.ready_mask != (1 << self.tier.ranks) - 1:
             return False
-        return all(checksum(self.tier.rank_view(slot, r)) == rec.dram_checksums[r] for r in range(self.tier.ranks))
+        return all(checksum(self.tier.rank_view(slot, r)) == checksums[r] for r in range(self.tier.ranks))
 
-    def _finish_demotion_locked(self, key: bytes, ok: bool) -> None:
+    def _finish_demotion_locked(self, key: bytes, ok: bool, count: bool = True) -> None:
+        """The write of ``key`` ended: ``ok`` if its SSD copy is published;
+        ``count``: a failure to count (not a copy refused after a reset)."""
         e = self._entries[key]
         e.demoting = False
         self._demoting -= 1
@@ -691,12 +868,15 @@ class TieredStore:
             self._freeing -= 1
         if ok:
             self._c.demotions += 1
-        else:
+        elif count:
             self._c.demote_failures += 1
         e.on_ssd = ok
-        # Evicted (or found bad) while it was written: free the DRAM copy unless a reader holds it.
+        # Evicted (or found bad, or reset) while it was written: free the DRAM
+        # copy unless a reader holds it.
         if (evict or e.doomed) and e.pins == 0 and e.state is EntryState.READY:
             self._drop(key, e)
+        else:
+            self._sync_dirty(key, e)  # a failed copy: cleaning may try again (after any back-off)
 
     def _promote(self, jobs: list[tuple[bytes, int, SsdLocation, BlockRecord]]) -> None:
         assert self.ssd is not None
@@ -706,7 +886,12 @@ class TieredStore:
             try:
                 ok = self.ssd.read(loc, rec, self.tier.slot_buffer(slot))
                 if ok:
-                    self.tier.seal_all(slot, key, rec.dram_ready, rec.dram_checksums)
+                    # The SSD header keeps one checksum of the whole slot: the
+                    # per-rank DRAM checksums are computed again from the bytes
+                    # just verified against it, and every rank is sealed.
+                    ranks = self.tier.ranks
+                    self.tier.seal_all(slot, key, (1 << ranks) - 1,
+                                       tuple(checksum(self.tier.rank_view(slot, r)) for r in range(ranks)))
             except TierIOError as err:
                 log.warning("kvtier: reading a block from SSD failed: %s", err)
                 ok, io_error = False, True
@@ -714,12 +899,23 @@ class TieredStore:
                 log.exception("kvtier: promoting a block failed")
                 ok, io_error = False, True
             results.append((key, ok, io_error))
+        refused: list[int] = []  # global SSD slot numbers
         with self._lock:
             for key, ok, io_error in results:
                 s = self._ssd_entries.get(key)
                 if s is not None:
                     s.pins -= 1
                 e = self._entries[key]
+                if e.doomed:
+                    # Reset while it was read (only clear() dooms a PROMOTING
+                    # entry): neither copy may be found again. The SSD copy,
+                    # which the read kept from clear(), goes now, its header
+                    # emptied so that a restart does not bring it back.
+                    self._drop(key, e)
+                    if s is not None and s.pins == 0 and s.ready:
+                        self._ssd_entries.remove_slot(s.slot, free=False)
+                        refused.append(s.slot)
+                    continue
                 if ok:
                     e.state = EntryState.READY
                     self._c.promotions += 1
@@ -736,6 +932,8 @@ class TieredStore:
                     else:
                         self._c.ssd_corrupt += 1
                     self._drop_ssd(key)
+        if refused:
+            self._invalidate(refused)
 
     # --- statistics -------------------------------------------------------
 
@@ -756,6 +954,7 @@ class TieredStore:
             "promote_failures": c.promote_failures, "ssd_corrupt_blocks": c.ssd_corrupt,
             "ssd_read_errors": c.ssd_read_errors,
             "ssd_evictions": c.ssd_evictions, "corrupt_blocks": c.corrupt_dram,
+            "ssd_write_give_ups": c.ssd_write_give_ups,
             "dram_slots_used": self.used_slots,
             "dram_slots_total": self.tier.num_slots, "ssd_slots_used": len(self._ssd_entries),
             "ssd_slots_total": self.ssd.num_slots if self.ssd else 0,

@@ -59,7 +59,7 @@ def test_remove() -> None:
     assert K[1] not in list(p.victims())
 
 
-def test_victims_is_a_snapshot() -> None:
+def test_victims_walk_survives_removing_the_key_just_yielded() -> None:
     p = LruPolicy()
     for k in K[:4]:
         p.insert(k)
@@ -69,3 +69,36 @@ def test_victims_is_a_snapshot() -> None:
         p.remove(key)
     assert seen == K[:4]
     assert len(p) == 0
+
+
+def test_victims_walk_skips_keys_removed_ahead_and_sees_moved_ones_at_their_new_place() -> None:
+    p = LruPolicy()
+    for k in K[:6]:
+        p.insert(k)
+    walk = p.victims()
+    assert next(walk) == K[0]
+    p.remove(K[0])
+    p.remove(K[1])  # ahead of the walk: never yielded
+    p.remove(K[2])
+    p.touch([K[3]])  # moved to the recent end: yielded there
+    p.insert(K[6])
+    assert list(walk) == [K[4], K[5], K[3], K[6]]
+    assert list(p.victims()) == [K[4], K[5], K[3], K[6]]
+
+
+def test_victims_is_lazy() -> None:
+    # The walk costs what the caller takes: nothing is copied up front, so a
+    # key inserted after the walk started is still reached.
+    p = LruPolicy()
+    p.insert(K[0])
+    walk = p.victims()
+    p.insert(K[1])
+    assert list(walk) == [K[0], K[1]]
+
+
+def test_contains() -> None:
+    p = LruPolicy()
+    p.insert(K[0])
+    assert K[0] in p and K[1] not in p
+    p.remove(K[0])
+    assert K[0] not in p

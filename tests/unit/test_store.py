@@ -114,6 +114,39 @@ def test_prepare_save_none_for_duplicates_and_held_keys(make_store) -> None:
     assert store.statistics().used_slots == 3
 
 
+def test_prepare_save_tells_held_from_no_room(make_store) -> None:
+    # Issue 7, item 8: a key with no slot for lack of room must be saved
+    # later; one already held must not.
+    store = make_store()  # high 19 slots
+    save_ready(store, [K(0)], step=0)
+    store.pin([K(0)], step=1)
+    slots = store.prepare_save([K(0), K(1), K(1)], step=1)
+    assert slots[0] is None and slots[1] is not None and slots[2] is None
+    assert slots.placed == 3  # all settled: held, saved, repeated
+    # 18 more PENDING blocks: K0 pinned, all 20 slots in use, nothing evictable.
+    assert None not in store.prepare_save([K(i) for i in range(2, 20)], step=1)
+    slots = store.prepare_save([K(1), K(0), K(30), K(31), K(5)], step=2)
+    assert slots == [None, None, None, None, None]
+    assert slots.placed == 2  # K30 got no room: it and what follows are planned again
+    store.complete_step(1)  # everything READY and unpinned: evictable
+    slots = store.prepare_save([K(30), K(31)], step=3)
+    assert None not in slots and slots.placed == 2
+
+
+def test_prepare_save_stops_at_a_doomed_key(make_store) -> None:
+    # A doomed PENDING entry (a save of a step after a failed load) will not
+    # become readable: the key is not settled until it has gone.
+    store = make_store()
+    store.prepare_save([K(0), K(1)], step=4)
+    store.doom_pending(after_step=3)
+    slots = store.prepare_save([K(2), K(0), K(3)], step=5)
+    assert slots[0] is not None and slots[1] is None and slots[2] is not None
+    assert slots.placed == 1
+    store.complete_step(4)  # the doomed entries are dropped
+    slots = store.prepare_save([K(2), K(0), K(1)], step=6)
+    assert slots[0] is None and None not in slots[1:] and slots.placed == 3
+
+
 def test_slots_are_distinct_until_freed(make_store) -> None:
     store = make_store()
     slots = store.prepare_save([K(i) for i in range(SLOTS)], step=0)
@@ -345,17 +378,35 @@ def test_statistics(make_store) -> None:
 
 
 
-def test_clear_drops_ready_unpinned_and_keeps_the_rest(make_store) -> None:
+def test_clear_leaves_nothing_readable_pinned_or_pending(make_store) -> None:
+    # Issue 7, item 1: a block pinned by a load and a save in flight at the
+    # reset both looked up as ready once the step completed.
     store = make_store()
     save_ready(store, [K(0), K(1), K(2)], step=0)
-    store.pin([K(0)], step=1)
-    store.prepare_save([K(3)], step=2)  # still PENDING: a writer may be filling it
-    assert store.clear() == 2
-    assert store.lookup([K(0)]) == 1  # pinned: kept
-    assert store.lookup([K(1)]) == 0
-    assert store.lookup([K(2)]) == 0
-    assert store.contains(K(3))
+    [pinned] = store.pin([K(0)], step=1)  # a load of step 1 still copies from it
+    [pending] = store.prepare_save([K(3)], step=1)  # a writer of step 1 is filling it
+    assert store.clear() == 4  # K1, K2 dropped; K0, K3 doomed
+    assert store.lookup([K(0)]) == 0 and store.lookup([K(3)]) == 0
+    assert store.pin([K(0), K(3)], step=2) == [None, None]
+    # Their slots stay theirs while the step's reader and writer use them.
     assert store.statistics().used_slots == 2
+    assert store.prepare_save([K(5)], step=2) not in ([pinned], [pending])
+    store.complete_step(1)
+    assert store.lookup([K(0)]) == 0 and store.lookup([K(3)]) == 0
+    assert not store.contains(K(0)) and not store.contains(K(3))
+    store.complete_step(2)
+    assert store.statistics().used_slots == 1  # only K5, saved after the reset
+    assert store.lookup([K(5)]) == 1
+    assert store.clear() == 1
+
+
+def test_clear_twice_counts_doomed_entries_once(make_store) -> None:
+    store = make_store()
+    store.prepare_save([K(0)], step=0)
+    assert store.clear() == 1
+    assert store.clear() == 0
+    store.complete_step(0)
+    assert store.statistics().used_slots == 0
 
 
 def test_abandoned_saves_free_their_slots(make_store) -> None:

@@ -9,11 +9,16 @@ step vLLM calls, in this order:
 2. ``update_state_after_alloc`` once blocks are allocated: pin the slots to
    load from;
 3. ``build_connector_meta``: the :class:`StepPlan` (loads, and saves of
-   every block that became full this step and is not in the pool yet);
+   every block that became full this step and is not in the pool yet; one
+   that found no room is planned again in a later step);
 4. later, ``update_connector_output`` with the workers' :class:`StepReport`:
    saved entries become readable, pins of the step are released.
 
 Keys of a request are computed once and extended as its tokens grow.
+``reset_cache`` (vLLM's reset after a weight update) gives keys a new seed
+and forgets every request's state, so nothing from before it matches after.
+While a lookup waits for a promotion from SSD, the scheduler thread yields
+to the I/O threads at most once per pass (``build_connector_meta`` ends one).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class SchedulerSide:
         self._seed = namespace.seed()
         self._reqs: dict[str, _ReqState] = {}
         self._step = 0
+        self._waited_step = -1  # the step counter at the last wait for a promotion
         self._loads_this_step: list[BlockCopy] = []
         # Per planned step: request -> first block index it loads or saves in
         # that step. If the step's copies fail, those requests go back there,
@@ -83,12 +89,32 @@ class SchedulerSide:
             st = _ReqState(request, seed=self._seed)
             lora = getattr(request, "lora_request", None)
             salt = getattr(request, "cache_salt", None)
-            if lora is not None or salt:
-                # Same tokens under another adapter or tenant salt are other KV.
-                tag = f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')};salt={salt or ''}"
-                st.seed = xxhash.xxh3_128_digest(self._seed + tag.encode())
             st.uncacheable = bool(getattr(request, "mm_features", None)) or \
                 getattr(request, "prompt_embeds", None) is not None
+            adapter = ""
+            if lora is not None:
+                # An adapter is named by what it is, not by lora_name or
+                # lora_int_id (the id is load order: after a restart it names
+                # another adapter, whose blocks an SSD tier still holds): its
+                # path, plus a digest of its files when that is a local
+                # directory (cached by the files' size and mtime, so a
+                # rewritten adapter gets new keys). A hub id is named by itself.
+                from kvtier.keys import directory_digest
+
+                path = os.path.expanduser(str(getattr(lora, "lora_path", "") or ""))
+                adapter = path
+                try:
+                    if os.path.isdir(path):
+                        adapter = os.path.abspath(path) + "#" + directory_digest(path)
+                except OSError:
+                    path = ""
+                if not path:
+                    # Nothing names this adapter's weights: its KV is never shared.
+                    st.uncacheable = True
+            if lora is not None or salt:
+                # Same tokens under another adapter or tenant salt are other KV.
+                tag = f"lora={adapter};salt={salt or ''}"
+                st.seed = xxhash.xxh3_128_digest(self._seed + tag.encode())
             self._reqs[request.request_id] = st
         return st
 
@@ -137,8 +163,13 @@ class SchedulerSide:
                     # nothing else to run. Give the I/O threads the GIL for a
                     # moment first: a scheduler spinning on this lookup held
                     # it so tightly that each read waited out Python's 5 ms
-                    # switch interval (bench/ssd.py).
-                    self.store.wait_progress(self.promote_poll_s)
+                    # switch interval (bench/ssd.py). Once per pass (the
+                    # step counter moves in build_connector_meta), not once
+                    # per waiting request: N of them made every step, decodes
+                    # included, N waits longer (issue 7, item 9).
+                    if self._waited_step != self._step:
+                        self._waited_step = self._step
+                        self.store.wait_progress(self.promote_poll_s)
                     return None, False
         st.waiting_since = None
         st.hit_blocks = hit
@@ -190,6 +221,13 @@ class SchedulerSide:
         plan = StepPlan(step=self._step, arena=self.store.tier.path,
                         loads=[BlockCopy(c.block_id, -1, c.key) for c in self._loads_this_step])
         self.store.abandon_saves(self._step)  # slots taken before the failure: no one will write them
+        # Requests planned before the failure moved their "saved up to" mark
+        # past those abandoned saves: back to where this step started, so the
+        # blocks are planned again in the next step.
+        for req_id, first in self._rewind.get(self._step, {}).items():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.saved_blocks = min(st.saved_blocks, first)
         self._loads_this_step = []
         self._step += 1
         return plan
@@ -216,12 +254,15 @@ class SchedulerSide:
             marks[req_id] = min(marks.get(req_id, st.saved_blocks), st.saved_blocks)
             null = self._null_block_id()
             # vLLM's shared null block never holds a request's KV: never saved.
-            pairs = [(block_ids[i], keys[i]) for i in range(st.saved_blocks, n_full) if block_ids[i] != null]
-            slots = self.store.prepare_save([k for _, k in pairs], step)
-            for (block_id, key), slot in zip(pairs, slots):
+            pairs = [(i, block_ids[i], keys[i]) for i in range(st.saved_blocks, n_full) if block_ids[i] != null]
+            slots = self.store.prepare_save([k for _, _, k in pairs], step)
+            for (_, block_id, key), slot in zip(pairs, slots):
                 if slot is not None:
                     plan.saves.append(BlockCopy(block_id, slot, key))
-            st.saved_blocks = n_full
+            # A block that got no slot for lack of room is planned again in a
+            # later step: the mark stops there (blocks after it that did get
+            # a slot are held by then, and skipped).
+            st.saved_blocks = pairs[slots.placed][0] if slots.placed < len(pairs) else n_full
         self._loads_this_step = []
         self._step += 1
         return plan
@@ -258,8 +299,33 @@ class SchedulerSide:
             # A load failed: the workers dropped that step's saves; steps
             # planned since (asynchronous scheduling) may have computed on the
             # bad blocks too, so their saves never become readable either.
+            # Their requests go back to where those steps started, so that
+            # the blocks are saved again once (re)computed.
             last = max(report.done) if isinstance(report, StepReport) and report.done else self._step - 2
+            for step, marks in self._rewind.items():
+                if step > last:
+                    for req_id, first in marks.items():
+                        st = self._reqs.get(req_id)
+                        if st is not None:
+                            st.saved_blocks = min(st.saved_blocks, first)
             self.store.doom_pending(last)
+
+    def reset_cache(self) -> int:
+        """vLLM's reset (after a weight update): nothing from before it may
+        match again. Returns how many entries the store dropped or doomed.
+
+        The store dooms what it cannot drop (see :meth:`TieredStore.clear`).
+        The key seed takes a random 64-bit nonce, so keys made after the
+        reset never equal keys made before it, and a restart (plain seed
+        again) never finds blocks saved after it. Every request's state is
+        dropped: a request that comes back through a lookup (new, or
+        preempted by the reset) gets keys under the new seed; one that keeps
+        running was computed before the reset and is saved no more.
+        """
+        n = self.store.clear()
+        self._seed = xxhash.xxh3_128_digest(self._seed + os.urandom(8))
+        self._reqs.clear()
+        return n
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         if not num_external_tokens:
@@ -298,40 +364,42 @@ class SchedulerSide:
         return stats
 
     def shutdown(self) -> None:
-        self.store.close()
-        if self.store.ssd is not None:
-            self.store.ssd.close()
-        self.store.tier.close()
+        """Stop the store's I/O, close the SSD tier, then close and remove the arena.
+
+        The arena goes even if stopping the rest fails. vLLM calls this only
+        when the engine core gets time to shut down; on the usual stop it is
+        killed first and the arena's reaper removes it (tier/dram.py).
+        """
+        try:
+            self.store.close()
+            if self.store.ssd is not None:
+                self.store.ssd.close()
+        finally:
+            self.store.tier.close()
+
+
+ARENA_PREFIX = "kvtier-dram-"
 
 
 def arena_path(shm_dir: str, engine_id: str) -> str:
-    return os.path.join(shm_dir, f"kvtier-dram-{os.getpid()}-{engine_id}")
+    """Where the engine's DRAM arena lives: ``kvtier-dram-<pid>-<engine_id>``.
+
+    The pid keeps names of engines in one container apart and tells an
+    operator whose arena it is; whether its owner is alive is decided by
+    the owner's lock on the file, never by the pid (see
+    :func:`remove_stale_arenas`).
+    """
+    return os.path.join(shm_dir, f"{ARENA_PREFIX}{os.getpid()}-{engine_id}")
 
 
 def remove_stale_arenas(shm_dir: str) -> list[str]:
-    """Remove arenas left by processes that no longer exist (killed engines)."""
-    removed = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith("kvtier-dram-"):
-            continue
-        try:
-            pid = int(name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
-            except OSError:
-                pass
-        except PermissionError:
-            pass
-    return removed
+    """Remove arenas whose owner is gone (killed engines); return their names.
+
+    Liveness is the owner's ``flock`` on its arena, which works across
+    containers sharing ``/dev/shm`` (``--ipc=host``), where ``kill(pid, 0)``
+    cannot see the other container's processes and called live arenas
+    stale. This process's own arena is locked too, so it is kept.
+    """
+    from kvtier.tier.dram import remove_stale_files
+
+    return remove_stale_files(shm_dir, ARENA_PREFIX)

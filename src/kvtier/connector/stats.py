@@ -20,7 +20,7 @@ COUNTERS = (
     "evictions", "corrupt_blocks",
     "blocks_demoted", "demote_failures", "evicted_without_copy",
     "blocks_promoted", "promote_failures", "ssd_corrupt_blocks", "ssd_read_errors",
-    "ssd_evictions",
+    "ssd_evictions", "ssd_write_give_ups",
 )
 # Gauges: the latest value wins.
 GAUGES = ("dram_slots_used", "dram_slots_total", "ssd_slots_used", "ssd_slots_total")
