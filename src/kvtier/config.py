@@ -4,7 +4,8 @@ Runs in every process that builds kvtier parts (vLLM's scheduler and worker
 processes, the CLI). The connector hands ``kv_connector_extra_config`` to
 :func:`parse_connector_config`, which returns a frozen :class:`KvtierConfig`
 or raises :class:`~kvtier.errors.ConfigError` naming the key and the value.
-Nothing here touches shared memory or files beyond reading free space.
+Nothing here touches shared memory or files beyond reading free space and
+the memory limit of the current cgroup.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
 from kvtier.errors import ConfigError
-from kvtier.hostmem import available_memory_bytes, free_huge_pages, hugetlbfs_page_size
+from kvtier.hostmem import available_memory_bytes, cgroup_memory_limit, free_huge_pages, hugetlbfs_page_size
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -190,7 +191,8 @@ def parse_connector_config(extra: Mapping[str, object] | None, *, check_memory: 
     """Validate vLLM's ``kv_connector_extra_config`` into a :class:`KvtierConfig`.
 
     ``check_memory`` refuses a ``dram_size`` larger than the free space of
-    ``shm_dir`` or the host's available memory, before anything is allocated.
+    ``shm_dir``, the host's available memory or what the container's memory
+    limit leaves, before anything is allocated.
     """
     values: dict[str, object] = {}
     given: dict[str, str] = {}  # field -> the key that set it
@@ -238,6 +240,20 @@ def check_dram_fits(cfg: KvtierConfig) -> None:
             "dram_size",
             cfg.dram_size_bytes,
             f"larger than the free memory for shared memory ({free / (1 << 30):.1f} GiB free in {cfg.shm_dir})",
+            _SOURCE,
+        )
+    # tmpfs pages are charged to the cgroup of the process that allocates
+    # them: in a container the limit, not the host's free memory, decides
+    # whether the arena fits, and past it the engine is OOM-killed instead
+    # of refused. (Huge pages are not charged to it: checked above.)
+    cg = cgroup_memory_limit()
+    if cg is not None and cfg.dram_size_bytes > cg.available_bytes:
+        raise ConfigError(
+            "dram_size",
+            cfg.dram_size_bytes,
+            f"larger than the container's memory limit leaves free ({cg.available_bytes / (1 << 30):.1f} GiB "
+            f"of the {cg.limit_bytes / (1 << 30):.1f} GiB limit in {cg.path}, with "
+            f"{cg.used_bytes / (1 << 30):.1f} GiB in use); the arena counts against it",
             _SOURCE,
         )
 

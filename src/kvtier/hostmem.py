@@ -1,4 +1,5 @@
-"""Host memory facts the DRAM tier depends on: free memory, hugetlbfs mounts, free huge pages.
+"""Host memory facts the DRAM tier depends on: free memory, the container's
+memory limit, hugetlbfs mounts, free huge pages.
 
 Read from /proc and /sys at start-up (configuration checks, arena
 creation); nothing here is on a serving path.
@@ -7,6 +8,7 @@ creation); nothing here is on a serving path.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 BASE_PAGE = 4096
 
@@ -61,3 +63,125 @@ def free_huge_pages(page_bytes: int) -> int:
     except OSError:
         return 0
     return max(0, free - reserved)
+
+
+# cgroup v1 reports "no limit" as the largest page-aligned signed 64-bit value.
+_V1_UNLIMITED = 1 << 62
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The memory limit that binds this process, and what is used under it.
+
+    ``used_bytes`` is the working set (usage less inactive file pages), as
+    the kubelet counts it: page cache of the model's files is reclaimed
+    before the OOM killer runs, so counting it would refuse a size that fits.
+    """
+
+    path: str  # the cgroup directory whose limit binds
+    limit_bytes: int
+    used_bytes: int
+
+    @property
+    def available_bytes(self) -> int:
+        return max(0, self.limit_bytes - self.used_bytes)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (v2: no limit) -> None
+
+
+def _stat_value(path: str, name: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == name:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cgroup_mounts(mountinfo: str) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """((root, mount point) of cgroup v2, (root, mount point) of the v1 memory controller)."""
+    v2 = v1 = None
+    try:
+        with open(mountinfo) as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, kind = left.split(), right.split()
+                if len(fields) < 5 or len(kind) < 3:
+                    continue
+                root, point = fields[3], fields[4].replace("\\040", " ")
+                if kind[0] == "cgroup2" and v2 is None:
+                    v2 = (root, point)
+                elif kind[0] == "cgroup" and "memory" in kind[2].split(",") and v1 is None:
+                    v1 = (root, point)
+    except OSError:
+        pass
+    return v2, v1
+
+
+def _cgroup_dir(mount: tuple[str, str], path: str) -> str:
+    """The directory of cgroup ``path`` under a mount whose root is ``mount[0]``.
+
+    Inside a container the mount's root is usually the container's own
+    cgroup (or the path is "/" with a cgroup namespace); a path outside the
+    mount's root falls back to the mount point.
+    """
+    root, point = mount
+    rel = os.path.relpath(path, root) if path.startswith(root) else "."
+    return os.path.normpath(os.path.join(point, rel)) if not rel.startswith("..") else point
+
+
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
+                        mountinfo: str = "/proc/self/mountinfo") -> CgroupMemory | None:
+    """The tightest memory limit on this process's cgroup and its ancestors
+    (cgroup v2 ``memory.max``, or v1 ``memory.limit_in_bytes``), or None
+    when there is none (or no cgroup file system is visible).
+
+    A DRAM arena on tmpfs is charged to the cgroup of the process that
+    allocates it, so a container's limit caps it however much the host has.
+    """
+    v2_mount, v1_mount = _cgroup_mounts(mountinfo)
+    v2_path = v1_path = None
+    try:
+        with open(proc_cgroup) as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) != 3:
+                    continue
+                if parts[0] == "0" and parts[1] == "":
+                    v2_path = parts[2]
+                elif "memory" in parts[1].split(","):
+                    v1_path = parts[2]
+    except OSError:
+        return None
+    if v1_mount is not None and v1_path is not None:
+        start, top = _cgroup_dir(v1_mount, v1_path), v1_mount[1]
+        files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    elif v2_mount is not None and v2_path is not None:
+        start, top = _cgroup_dir(v2_mount, v2_path), v2_mount[1]
+        files = ("memory.max", "memory.current", "inactive_file")
+    else:
+        return None
+    best: CgroupMemory | None = None
+    here = start
+    while True:
+        limit = _read_int(os.path.join(here, files[0]))
+        if limit is not None and limit < _V1_UNLIMITED:
+            usage = _read_int(os.path.join(here, files[1])) or 0
+            inactive = _stat_value(os.path.join(here, "memory.stat"), files[2])
+            found = CgroupMemory(here, limit, max(0, usage - inactive))
+            if best is None or found.available_bytes < best.available_bytes:
+                best = found
+        if os.path.normpath(here) == os.path.normpath(top) or here in ("/", ""):
+            break
+        here = os.path.dirname(here)
+    return best

@@ -3,22 +3,34 @@
 Runs wherever keys are needed (vLLM's scheduler process, tools, tests). A key
 is a 128-bit chained digest::
 
-    seed    = xxh3_128(b"kvtier-ns-v1\\0" + canonical namespace bytes)
+    seed    = xxh3_128(b"kvtier-ns-v2\\0" + canonical namespace bytes)
     key[0]  = xxh3_128(seed + tokens[0:B] as int32 little-endian)
     key[i]  = xxh3_128(key[i-1] + tokens[i*B:(i+1)*B] as int32 little-endian)
 
 so a key names the whole prefix up to and including its block, never the
 block's tokens alone. The namespace holds everything that changes the bytes
-of a block (model identity, dtype, KV layout, block size, parallel layout),
-so two models or layouts never share a key. Nothing here depends on the
+of a block (model identity, the dtype the model computes in, vLLM's KV cache
+dtype string, the stored dtype, KV layout, block size, parallel layout), so
+two models or layouts never share a key. Nothing here depends on the
 process: no Python ``hash``, no PYTHONHASHSEED, no pointer values. The
 golden vectors in tests/unit/test_keys.py pin the encoding; changing it
-changes every key in every pool, so it is versioned by the ``v1`` tag.
+changes every key in every pool, so it is versioned by the ``v2`` tag (v1
+lacked ``cache_dtype`` and ``model_dtype``: every fp8 variant stored as
+uint8 shared one namespace).
+
+:meth:`KeyNamespace.fingerprint` digests the layout part alone (what decides
+how a slot's bytes are arranged, not which model made them); an SSD tier
+keeps it in its superblock and starts empty when it changes.
+:func:`directory_digest` names the contents of a model or adapter directory
+for the namespace and for per-request seeds.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -30,7 +42,19 @@ KEY_BYTES = 16
 
 @dataclass(frozen=True)
 class KeyNamespace:
-    """What must differ for two blocks of the same tokens to hold different bytes."""
+    """What must differ for two blocks of the same tokens to hold different bytes.
+
+    ``model`` names the weights and what changes their numerics (path or
+    repository at a commit, digests of the config and weights, or
+    ``model_id``; quantization, HF overrides). ``dtype`` is the torch dtype
+    the KV is stored in, ``cache_dtype`` vLLM's KV cache dtype string: every
+    fp8 and fp4 format is stored as ``torch.uint8``, so the string is what
+    tells e4m3 from e5m2, per-tensor from per-token-head scales, or nvfp4.
+    ``model_dtype`` is the dtype K and V are computed in (before an fp8 cast,
+    bf16 and fp16 give other bytes). ``layout`` describes one rank's block in
+    memory (device, attention backend, kernel layout, spec type, layers, the
+    per-layer block shape, page bytes).
+    """
 
     model: str
     dtype: str
@@ -39,12 +63,85 @@ class KeyNamespace:
     tp_size: int = 1
     pp_size: int = 1
     pp_rank: int = 0
+    cache_dtype: str = "auto"
+    model_dtype: str = ""
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
     def seed(self) -> bytes:
-        return xxhash.xxh3_128_digest(b"kvtier-ns-v1\0" + self.encode())
+        return xxhash.xxh3_128_digest(b"kvtier-ns-v2\0" + self.encode())
+
+    def fingerprint(self) -> bytes:
+        """16 bytes naming how a slot's bytes are arranged, whatever model made them.
+
+        Covers the stored dtype, vLLM's cache dtype string, the layout, the
+        block size and the parallel layout (which decides how many rank
+        parts a slot holds); not the model identity, so a new checkpoint
+        keeps the tier's geometry (its old blocks simply never match).
+        """
+        fields = {"dtype": self.dtype, "cache_dtype": self.cache_dtype, "layout": self.layout,
+                  "block_tokens": self.block_tokens, "tp_size": self.tp_size, "pp_size": self.pp_size}
+        return xxhash.xxh3_128_digest(b"kvtier-layout-v1\0"
+                                      + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _file_signature(directory: str, suffixes: tuple[str, ...] | None,
+                    names: tuple[str, ...] | None = None) -> tuple[tuple[str, int, int, int], ...]:
+    out = []
+    for name in sorted(os.listdir(directory) if names is None else names):
+        if suffixes is not None and not name.endswith(suffixes):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.stat(path)  # follows links: a Hugging Face snapshot links to its blobs
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _digest_files(directory: str, signature: tuple[tuple[str, int, int, int], ...], samples: int,
+                  chunk: int) -> str:
+    h = xxhash.xxh3_128()
+    for name, size, _, _ in signature:
+        h.update(f"{name}:{size};".encode())
+        with open(os.path.join(directory, name), "rb") as f:
+            if size <= samples * chunk:
+                h.update(f.read())
+                continue
+            for i in range(samples):
+                f.seek(size * i // samples)
+                h.update(f.read(chunk))
+    return h.hexdigest()
+
+
+def directory_digest(directory: str, suffixes: tuple[str, ...] | None = None, samples: int = 16,
+                     chunk: int = 1 << 16, cached: bool = True) -> str:
+    """Digest of the regular files in ``directory`` (not its subdirectories):
+    names, sizes, and ``samples`` chunks of ``chunk`` bytes spread over each
+    file (small files whole). ``suffixes`` limits it to names ending so.
+
+    A fine-tune usually keeps config.json unchanged, so names and sizes
+    alone would let a new checkpoint under the same path hit the old one's
+    blocks; sampling costs a few MiB of reads. Results are cached by each
+    file's name, size, mtime and inode, so asking again for an unchanged
+    directory (a LoRA adapter on every request) only stats its files; a file
+    rewritten in place within one tick of the file system's clock keeps its
+    signature, so a caller that asks once per process passes ``cached=False``.
+    """
+    signature = _file_signature(directory, suffixes)
+    if not cached:
+        return _digest_files.__wrapped__(directory, signature, samples, chunk)
+    return _digest_files(directory, signature, samples, chunk)
+
+
+def file_digest(path: str, samples: int = 16, chunk: int = 1 << 16) -> str:
+    """:func:`directory_digest` of the single file ``path`` (a GGUF model, say)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return _digest_files(directory, _file_signature(directory, None, (name,)), samples, chunk)
 
 
 BlockKey = bytes  # KEY_BYTES long

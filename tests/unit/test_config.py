@@ -161,3 +161,21 @@ def test_the_seed_name_of_the_rewarm_watermark_is_accepted() -> None:
     assert info.value.key == "rewarm_dram_watermark" and "set twice" in str(info.value)
     with pytest.raises(ConfigError, match="rewarm.dram_watermark = 'high'"):
         parse_connector_config({"rewarm.dram_watermark": "high"}, check_memory=False)
+
+
+def test_dram_size_above_the_containers_memory_limit_is_refused(monkeypatch) -> None:
+    import kvtier.config
+    from kvtier.hostmem import CgroupMemory
+
+    # A pod limit of 1 GiB with 768 MiB in use leaves 256 MiB, whatever the host has free.
+    limit = CgroupMemory("/sys/fs/cgroup/kubepods/pod1", 1 << 30, 768 << 20)
+    monkeypatch.setattr(kvtier.config, "cgroup_memory_limit", lambda: limit)
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config({"dram_size": "300MiB"})
+    assert info.value.key == "dram_size" and info.value.value == 300 << 20
+    assert str(info.value) == (
+        "kvtier config error: kv_connector_extra_config: dram_size = 314572800: larger than the "
+        "container's memory limit leaves free (0.2 GiB of the 1.0 GiB limit in "
+        "/sys/fs/cgroup/kubepods/pod1, with 0.8 GiB in use); the arena counts against it")
+    # What fits under the limit passes.
+    assert parse_connector_config({"dram_size": "200MiB"}).dram_size_bytes == 200 << 20

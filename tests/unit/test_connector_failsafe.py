@@ -163,6 +163,7 @@ def test_save_failures_after_the_report_was_taken_still_reach_it(worker_and_tier
 class FakeLora:
     lora_name: str
     lora_int_id: int
+    lora_path: str = ""
 
 
 @dataclass
@@ -176,15 +177,16 @@ class RichRequest(FakeRequest):
 def test_lora_and_cache_salt_give_other_keys_than_the_plain_prompt(side: SchedulerSide) -> None:
     tokens = list(range(3 * BLOCK + 1))
     plain = side._keys(side._state(RichRequest("p", tokens)), 3 * BLOCK)
-    lora = side._keys(side._state(RichRequest("l", tokens, lora_request=FakeLora("sql", 1))), 3 * BLOCK)
-    lora2 = side._keys(side._state(RichRequest("l2", tokens, lora_request=FakeLora("chat", 2))), 3 * BLOCK)
+    sql, chat = FakeLora("sql", 1, "/adapters/sql"), FakeLora("chat", 2, "/adapters/chat")
+    lora = side._keys(side._state(RichRequest("l", tokens, lora_request=sql)), 3 * BLOCK)
+    lora2 = side._keys(side._state(RichRequest("l2", tokens, lora_request=chat)), 3 * BLOCK)
     salted = side._keys(side._state(RichRequest("s", tokens, cache_salt="tenant-a")), 3 * BLOCK)
     assert len({tuple(plain), tuple(lora), tuple(lora2), tuple(salted)}) == 4
     # ... and a plain prompt never hits what an adapter's request saved.
     side.store.prepare_save(lora, step=0)
     side.store.complete_step(0)
     assert side.get_num_new_matched_tokens(RichRequest("p2", tokens), 0) == (0, False)
-    assert side.get_num_new_matched_tokens(RichRequest("l3", tokens, lora_request=FakeLora("sql", 1)), 0) \
+    assert side.get_num_new_matched_tokens(RichRequest("l3", tokens, lora_request=sql), 0) \
         == (3 * BLOCK, False)
 
 

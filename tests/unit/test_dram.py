@@ -349,3 +349,189 @@ def test_two_ranks_sealing_the_same_slots_at_once_leave_every_slot_sealed(shm_pa
         for s in range(n):
             tier.clear(s)
     tier.close()
+
+
+# --- liveness by the owner's lock (issue 7, item 11) --------------------------
+
+
+def _unused_pid() -> int:
+    """A pid no process can have: above the kernel's pid_max."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read()) + 1
+
+
+def _locked_elsewhere(path: str) -> bool:
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+_HOLDER = textwrap.dedent("""
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    sys.stdin.read()  # holds the lock until the test closes stdin
+""")
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A directory of its own on tmpfs, so cleanup sees only this test's files."""
+    import shutil
+    import uuid
+
+    d = os.path.join("/dev/shm", f"kvtier-test-dir-{os.getpid()}-{uuid.uuid4().hex}")
+    os.mkdir(d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_owner_holds_an_exclusive_lock_and_workers_none(shm_path: str) -> None:
+    owner = DramTier.create(shm_path, 1 << 16, 4096)
+    try:
+        assert _locked_elsewhere(shm_path)
+        attached = DramTier.attach(shm_path)  # does not wait for the owner's lock
+        attached.close()
+    finally:
+        owner.close()
+    assert not os.path.exists(shm_path)
+
+
+def test_stale_cleanup_keeps_a_locked_arena_of_an_invisible_pid(shm_dir: str) -> None:
+    from kvtier.tier.dram import remove_stale_files
+
+    # Another container's engine: its pid means nothing here, but it holds its arena's lock.
+    live = os.path.join(shm_dir, f"kvtier-dram-{_unused_pid()}-other")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, live], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        dead = os.path.join(shm_dir, f"kvtier-dram-{_unused_pid()}-dead")
+        open(dead, "wb").close()  # a killed engine's arena: nobody holds it
+        other = os.path.join(shm_dir, "kvtier-test-unrelated")
+        open(other, "wb").close()
+        assert remove_stale_files(shm_dir, "kvtier-dram-") == [os.path.basename(dead)]
+        assert sorted(os.listdir(shm_dir)) == sorted([os.path.basename(live), "kvtier-test-unrelated"])
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    # Its owner gone (however it died), the same file is stale.
+    assert remove_stale_files(shm_dir, "kvtier-dram-") == [os.path.basename(live)]
+
+
+def test_stale_cleanup_keeps_this_process_s_own_arena(shm_dir: str) -> None:
+    from kvtier.tier.dram import remove_stale_files
+
+    path = os.path.join(shm_dir, f"kvtier-dram-{os.getpid()}-0")
+    tier = DramTier.create(path, 1 << 16, 4096)
+    try:
+        assert remove_stale_files(shm_dir, "kvtier-dram-") == []
+        assert os.path.exists(path)
+    finally:
+        tier.close()
+
+
+def test_a_worker_outliving_its_owner_keeps_its_mapping_after_cleanup(shm_dir: str) -> None:
+    from kvtier.tier.dram import remove_stale_files
+
+    path = os.path.join(shm_dir, "kvtier-dram-1-0")
+    owner = DramTier.create(path, 1 << 16, 4096)
+    worker = DramTier.attach(path)
+    try:
+        owner.rank_view(0).fill_(7)
+        owner.close()  # the owner is gone; the worker has not shut down yet
+        assert not os.path.exists(path)
+        assert remove_stale_files(shm_dir, "kvtier-dram-") == []
+        assert torch.all(worker.rank_view(0) == 7)
+    finally:
+        worker.close()
+
+
+def test_an_owner_killed_without_closing_leaves_a_removable_arena(shm_dir: str) -> None:
+    from kvtier.tier.dram import remove_stale_files
+
+    path = os.path.join(shm_dir, "kvtier-dram-2-0")
+    child = textwrap.dedent(f"""
+        import os
+        from kvtier.tier import DramTier
+        DramTier.create({path!r}, 1 << 16, 4096)
+        os._exit(0)  # no close(): as after SIGKILL, only the kernel releases the lock
+    """)
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=120)
+    assert os.path.exists(path)
+    assert remove_stale_files(shm_dir, "kvtier-dram-") == ["kvtier-dram-2-0"]
+    assert not os.path.exists(path)
+
+
+def _wait_until(cond, timeout_s: float = 60.0) -> bool:
+    """Poll ``cond`` until true or the deadline (a wait for another process, not a timing check)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _reapers_of(path: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if path.encode() in argv and b"-c" in argv:
+                found.append(int(entry))
+    return found
+
+
+def test_the_reaper_removes_the_arena_of_an_owner_killed_without_closing(shm_dir: str) -> None:
+    import signal
+
+    path = os.path.join(shm_dir, "kvtier-dram-3-0")
+    child = textwrap.dedent(f"""
+        import sys, time
+        from kvtier.tier import DramTier
+        from kvtier.tier.dram import start_reaper
+        tier = DramTier.create({path!r}, 1 << 16, 4096)
+        start_reaper(tier)
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        assert _wait_until(lambda: len(_reapers_of(path)) == 1)
+        assert os.path.exists(path)  # the owner lives: the reaper waits
+        owner.send_signal(signal.SIGKILL)  # as vLLM kills its engine core
+        owner.wait(30)
+        assert _wait_until(lambda: not os.path.exists(path))
+        assert _wait_until(lambda: _reapers_of(path) == [])
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_the_reaper_of_a_closed_arena_exits(shm_dir: str) -> None:
+    from kvtier.tier.dram import start_reaper
+
+    path = os.path.join(shm_dir, "kvtier-dram-4-0")
+    tier = DramTier.create(path, 1 << 16, 4096)
+    start_reaper(tier)
+    assert _wait_until(lambda: len(_reapers_of(path)) == 1)
+    tier.close()
+    assert _wait_until(lambda: _reapers_of(path) == [])
+    assert os.listdir(shm_dir) == []

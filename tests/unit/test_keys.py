@@ -1,8 +1,9 @@
 """kvtier.keys: golden vectors and the properties of chained block keys.
 
-The literals below pin the v1 encoding. If this test fails, every key in
-every existing pool has changed: bump the namespace tag (``kvtier-ns-v1``)
-instead of updating the literals.
+The literals below pin the v2 encoding. If this test fails, every key in
+every existing pool has changed: bump the namespace tag (``kvtier-ns-v2``)
+instead of updating the literals. (v1 -> v2, issue 7: the namespace gained
+``cache_dtype`` and ``model_dtype``, so every v1 key changed on purpose.)
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from kvtier.keys import KEY_BYTES, KeyNamespace, block_keys
 NS = KeyNamespace(model="m", dtype="torch.bfloat16", layout="cpu", block_tokens=4)
 TOKENS = list(range(10))
 
-GOLDEN_SEED = "1d0549f61256dd754d48f9e68b513d18"
+GOLDEN_SEED = "7417e69960a29e1f5250e545f0b4e574"
 GOLDEN_KEYS = [
-    "e681f59b093ea557a11e4bc1433a9f9b",
-    "ab54e268202a6831d002b466a1ec5e64",
+    "9fd3b347b2b4d4eb865b105ff3c2a0d7",
+    "c9dd9faa530bb20dd08a603a4c0a88e5",
 ]
+GOLDEN_FINGERPRINT = "ab520615b4194a24383b91ce2b6331a2"
 
 
 def test_golden_vectors() -> None:
@@ -37,10 +39,10 @@ def test_golden_vectors() -> None:
 
 def test_golden_vectors_follow_documented_encoding() -> None:
     """Rebuild the keys from the module docstring's recipe with xxhash alone."""
-    ns_bytes = (b'{"block_tokens":4,"dtype":"torch.bfloat16","layout":"cpu","model":"m",'
-                b'"pp_rank":0,"pp_size":1,"tp_size":1}')
+    ns_bytes = (b'{"block_tokens":4,"cache_dtype":"auto","dtype":"torch.bfloat16","layout":"cpu","model":"m",'
+                b'"model_dtype":"","pp_rank":0,"pp_size":1,"tp_size":1}')
     assert NS.encode() == ns_bytes
-    prev = xxhash.xxh3_128_digest(b"kvtier-ns-v1\0" + ns_bytes)
+    prev = xxhash.xxh3_128_digest(b"kvtier-ns-v2\0" + ns_bytes)
     expected = []
     for b in range(2):
         raw = b"".join(t.to_bytes(4, "little", signed=True) for t in TOKENS[b * 4 : b * 4 + 4])
@@ -99,6 +101,8 @@ def test_parent_start_mismatch_raises() -> None:
         {"tp_size": 2},
         {"pp_size": 2},
         {"pp_rank": 1},
+        {"cache_dtype": "fp8_e4m3"},
+        {"model_dtype": "torch.float16"},
     ],
 )
 def test_every_namespace_field_changes_keys(change: dict) -> None:
@@ -152,3 +156,42 @@ def test_stable_across_processes() -> None:
                              capture_output=True, text=True, timeout=120)
         outputs.add(tuple(out.stdout.split()))
     assert outputs == {tuple(GOLDEN_KEYS)}
+
+
+def test_fingerprint_golden_vector_follows_documented_recipe() -> None:
+    """The layout fingerprint an SSD superblock keeps: xxh3-128 of the layout fields alone."""
+    fields = (b'{"block_tokens":4,"cache_dtype":"auto","dtype":"torch.bfloat16","layout":"cpu",'
+              b'"pp_size":1,"tp_size":1}')
+    assert xxhash.xxh3_128_digest(b"kvtier-layout-v1\0" + fields).hex() == GOLDEN_FINGERPRINT
+    assert NS.fingerprint().hex() == GOLDEN_FINGERPRINT
+    assert len(NS.fingerprint()) == 16
+
+
+@pytest.mark.parametrize("change", [{"dtype": "torch.float16"}, {"layout": "flash"}, {"block_tokens": 2},
+                                    {"tp_size": 2}, {"pp_size": 2}, {"cache_dtype": "fp8_e5m2"}])
+def test_every_layout_field_changes_the_fingerprint(change: dict) -> None:
+    assert dataclasses.replace(NS, **change).fingerprint() != NS.fingerprint()
+
+
+@pytest.mark.parametrize("change", [{"model": "m2"}, {"model_dtype": "torch.float16"}, {"pp_rank": 1}])
+def test_the_fingerprint_ignores_what_is_not_layout(change: dict) -> None:
+    assert dataclasses.replace(NS, **change).fingerprint() == NS.fingerprint()
+
+
+def test_directory_digest_follows_names_sizes_and_sampled_bytes(tmp_path) -> None:
+    from kvtier.keys import directory_digest, file_digest
+
+    (tmp_path / "a.safetensors").write_bytes(bytes(range(256)) * 8192)  # 2 MiB: sampled
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "sub").mkdir()  # subdirectories are not read
+    base = directory_digest(str(tmp_path), cached=False)
+    assert base == directory_digest(str(tmp_path))
+    assert directory_digest(str(tmp_path), (".safetensors",)) != base
+    assert file_digest(str(tmp_path / "a.safetensors")) == directory_digest(str(tmp_path), (".safetensors",))
+    data = bytearray((tmp_path / "a.safetensors").read_bytes())
+    data[0] ^= 1  # the first sample starts at byte 0
+    (tmp_path / "a.safetensors").write_bytes(bytes(data))
+    flipped = directory_digest(str(tmp_path), cached=False)
+    assert flipped != base
+    (tmp_path / "sub" / "x").write_text("ignored")
+    assert directory_digest(str(tmp_path), cached=False) == flipped

@@ -4,6 +4,14 @@ vLLM builds one instance in its engine-core process (role SCHEDULER) and
 one in each worker process (role WORKER). ``build_*`` functions below wire
 each half once per process; the halves themselves take parts already built.
 
+Start-up, scheduler role, in this order: the configuration is parsed and
+checked against vLLM's (:func:`check_vllm_config`: context parallelism,
+load-failure policy, data parallelism with an SSD tier); a run in which
+vLLM itself has prefix caching off leaves the connector inert
+(:func:`inert_reason`); the KV cache spec is checked
+(:func:`kv_cache_spec`); stale arenas are removed, memory is checked, and
+the tiers are built (:func:`build_scheduler_side`).
+
 Load with::
 
     --kv-transfer-config '{"kv_connector":"KvtierConnector",
@@ -15,10 +23,13 @@ Load with::
 from __future__ import annotations
 
 import hashlib
+import inspect
+import json
 import logging
 import os
-
-import xxhash
+import re
+import subprocess
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -29,9 +40,9 @@ from kvtier.connector.scheduler import SchedulerSide, arena_path, remove_stale_a
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
 from kvtier.connector.worker import WorkerSide
 from kvtier.errors import ConfigError
-from kvtier.keys import KeyNamespace
+from kvtier.keys import KeyNamespace, directory_digest, file_digest
 from kvtier.store import TieredStore
-from kvtier.tier.dram import DramTier
+from kvtier.tier.dram import DramTier, start_reaper
 from kvtier.tier.ssd import SsdTier
 
 if TYPE_CHECKING:
@@ -54,10 +65,94 @@ def _log_through_vllm() -> None:
 _log_through_vllm()
 
 _LAYER_ALIGN = 64
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# vLLM appends "_dp<rank>" to engine_id in every engine-core process of a
+# data-parallel launch (run_engine_core), and a non-MoE rank then resets its
+# data_parallel_size to 1: for DP rank 0 the suffix is the only trace left.
+_DP_ENGINE_ID = re.compile(r"_dp\d+$")
 
 
-def _full_attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, list[str]]:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+# --- what kvtier refuses, and when it stays out of the way ---------------------
+
+
+def check_vllm_config(vllm_config: VllmConfig, cfg: KvtierConfig) -> None:
+    """Refuse vLLM settings under which kvtier would serve wrong KV or lose requests.
+
+    Raises :class:`ConfigError` naming vLLM's setting and what to do.
+    """
+    pc = vllm_config.parallel_config
+    dcp = getattr(pc, "decode_context_parallel_size", 1)
+    if dcp > 1:
+        # With DCP = N a vLLM block holds block_size x N tokens spread over
+        # the ranks, while kvtier keys every block_size tokens and pairs
+        # keys[i] with block_ids[i]: keys and blocks would not line up.
+        raise ConfigError("decode_context_parallel_size", dcp,
+                          "kvtier does not support decode context parallelism; "
+                          "run without --decode-context-parallel-size (-dcp)", "vLLM")
+    pcp = getattr(pc, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        # Workers that differ only in their PCP rank would compute the same
+        # rank index and write the same part of every slot.
+        raise ConfigError("prefill_context_parallel_size", pcp,
+                          "kvtier does not support prefill context parallelism; "
+                          "run without --prefill-context-parallel-size (-pcp)", "vLLM")
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+    if policy != "recompute":
+        # Refused rather than forced: with vLLM's default "fail", every block
+        # that fails its checksum ends a user's request with an error, and
+        # changing vLLM's setting behind the user's back is a global side
+        # effect of loading a connector.
+        raise ConfigError("kv_load_failure_policy", policy,
+                          'kvtier needs "kv_load_failure_policy": "recompute" in --kv-transfer-config, so that '
+                          "a block that fails its checks is recomputed instead of failing the request",
+                          "kv_transfer_config")
+    if cfg.ssd_paths:
+        engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")
+        dp_size = getattr(pc, "data_parallel_size", 1)
+        dp_index = getattr(pc, "data_parallel_index", 0) or 0
+        if dp_size > 1 or dp_index > 0 or _DP_ENGINE_ID.search(engine_id):
+            raise ConfigError("ssd_path", ":".join(cfg.ssd_paths),
+                              "with data parallelism every DP rank is an engine of its own and they would "
+                              "all open this ssd_path; run one vLLM instance per DP rank, each with its own "
+                              "ssd_path, or use one shared pool (backend: pool)", "kv_connector_extra_config")
+
+
+def inert_reason(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    """Why kvtier must do nothing in this run, or None.
+
+    These are runs in which vLLM itself turns prefix caching off, because
+    reusing a prefix's KV would be wrong (non-causal attention, R-SWA) or
+    the user asked for it. They stay inert rather than refused: the model
+    is served correctly without any cache, and refusing would stop a
+    deployment that vLLM alone accepts; kvtier follows vLLM and says so in
+    one line. Checked on the spec as well as on ``enable_prefix_caching``,
+    so the answer does not depend on which process saw vLLM's change.
+    """
+    from vllm.v1.kv_cache_interface import RSWASpec
+
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return "vLLM runs with prefix caching off (cache_config.enable_prefix_caching is False)"
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if getattr(spec, "non_causal", False):
+            return (f"the model has non-causal attention layers ({type(spec).__name__}(non_causal=True)), "
+                    "for which vLLM turns prefix caching off")
+        if isinstance(spec, RSWASpec):
+            return ("the model uses reference sliding-window attention (RSWASpec): the KV of generated "
+                    "tokens is not a function of the prefix alone, and vLLM turns prefix caching off for it")
+    return None
+
+
+def kv_cache_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, list[str]]:
+    """The one KV cache spec kvtier caches, and its layer names; refuses others.
+
+    Refused, not inert: vLLM keeps its own prefix cache on for these, so a
+    user expects reuse, and a cache that silently did nothing would hide the
+    mismatch. Only a spec that is exactly full attention or MLA is
+    accepted: a subclass (RSWA, attention sinks, hidden-state caches) may
+    keep blocks that are not the KV of their tokens.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -67,79 +162,182 @@ def _full_attention_spec(kv_cache_config: KVCacheConfig) -> tuple[Any, list[str]
     # Sliding-window and chunked-local layers keep vLLM's shared null block
     # in their block tables outside the window: a "block" there is not KV of
     # those tokens, so such models are refused rather than cached wrongly.
-    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None) \
-            or getattr(spec, "attention_chunk_size", None):
+    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
         raise ConfigError("kv_cache_spec", type(spec).__name__,
                           "kvtier supports full attention only (no sliding window or chunked local attention)")
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise ConfigError("kv_cache_spec", type(spec).__name__,
+                          "kvtier supports exactly FullAttentionSpec or MLAAttentionSpec layers")
     return spec, list(groups[0].layer_names)
 
 
-def _weights_digest(model_dir: str, samples: int = 16, chunk: int = 1 << 16) -> str:
-    """Digest of the weight files' names, sizes and sampled bytes.
+# --- sizes ------------------------------------------------------------------------
 
-    A fine-tune usually keeps config.json unchanged, so the config alone
-    would let a new checkpoint under the same path hit the old one's blocks
-    (on SSD, across restarts). Reading ``samples`` chunks spread over each
-    file costs a few MiB at start-up; ``model_id`` overrides all of this.
+
+def layers_per_rank(vllm_config: VllmConfig, num_layers: int, pp_rank: int = 0) -> int:
+    """Layers of the largest pipeline stage, given that stage ``pp_rank`` has ``num_layers``.
+
+    With uneven stages (30 layers over 4 stages: 7/8/8/7) the scheduler's
+    KV cache config holds stage 0's layers, fewer than the middle stages'.
+    Stage sizes come from vLLM's own partition (``get_pp_indices``, which
+    honours ``VLLM_PP_LAYER_PARTITION``); layers beyond the hidden layers
+    (a draft model's) are counted on every stage.
     """
-    h = xxhash.xxh3_128()
-    names = sorted(n for n in os.listdir(model_dir)
-                   if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf")))
-    for name in names:
-        path = os.path.join(model_dir, name)
-        size = os.path.getsize(path)
-        h.update(f"{name}:{size};".encode())
-        with open(path, "rb") as f:
-            for i in range(samples):
-                f.seek(size * i // samples)
-                h.update(f.read(chunk))
-    return h.hexdigest()[:16]
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp == 1:
+        return num_layers
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    stages = [end - start for start, end in (get_pp_indices(total, r, pp) for r in range(pp))]
+    extra = max(0, num_layers - stages[pp_rank])
+    return max(num_layers, max(stages) + extra)
+
+
+def rank_bytes_for(spec: Any, num_layers: int) -> int:
+    """Bytes one rank writes per block: each layer's page padded to 64 bytes (layout.py)."""
+    return -(-spec.page_size_bytes // _LAYER_ALIGN) * _LAYER_ALIGN * num_layers
+
+
+# --- the key namespace --------------------------------------------------------------
+
+
+def _canonical(value: Any) -> str:
+    """A process-independent text for a config value (a callable by its name and code, not its address)."""
+    if callable(value):
+        try:
+            code = hashlib.sha256(inspect.getsource(value).encode()).hexdigest()[:16]
+        except (OSError, TypeError):
+            code = "nosource"
+        return f"callable:{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}:{code}"
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None) -> str | None:
+    """The local snapshot directory of a Hugging Face repository, from the cache alone (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model, "config.json", cache_dir=cache_dir, revision=revision)
+    except Exception:  # noqa: BLE001 - not a repository id, or a malformed cache: not pinned
+        return None
+    return os.path.dirname(found) if isinstance(found, str) else None
+
+
+def _local_identity(directory: str) -> str:
+    conf = os.path.join(directory, "config.json")
+    ident = ""
+    if os.path.isfile(conf):
+        with open(conf, "rb") as f:
+            ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
+    # Weights, and modelling code shipped beside them (trust_remote_code).
+    return ident + "#" + directory_digest(directory, _WEIGHT_SUFFIXES + (".py",), cached=False)
 
 
 def _model_identity(vllm_config: VllmConfig, cfg: KvtierConfig) -> str:
+    """The model part of the namespace: which weights, and what changes their numerics.
+
+    A local directory is named by its path and the digests of its config and
+    weights (the same path may hold another model tomorrow); a local file
+    (GGUF) by its path and digest. A hub repository is pinned to the commit
+    of its snapshot in the Hugging Face cache (read offline, as vLLM loaded
+    it) and digested like a directory. When no commit can be found and the
+    revision given is not a commit hash, the weights behind the name can
+    change between runs: the identity then gets a value unique to this
+    process, so blocks are shared within the run but never with another
+    (an SSD tier recovered later holds nothing that matches). ``model_id``
+    replaces all of this.
+    """
     mc = vllm_config.model_config
     # What else changes the bytes of K and V for the same weights.
-    extra = f"|quant={getattr(mc, 'quantization', None)}|overrides={getattr(mc, 'hf_overrides', None)!r}"
+    extra = (f"|quant={getattr(mc, 'quantization', None)}"
+             f"|overrides={_canonical(getattr(mc, 'hf_overrides', None))}")
     if cfg.model_id:
         return cfg.model_id + extra
-    ident = f"{mc.model}@{mc.revision or ''}"
-    conf = os.path.join(str(mc.model), "config.json")
-    if os.path.isfile(conf):
-        # A local directory: the same path may hold another model tomorrow.
-        with open(conf, "rb") as f:
-            ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
-        ident += "#" + _weights_digest(str(mc.model))
-    return ident + extra
+    model = str(mc.model)
+    if os.path.isdir(model):
+        return model + _local_identity(model) + extra
+    if os.path.isfile(model):
+        return model + "#" + file_digest(model) + extra
+    revision = getattr(mc, "revision", None)
+    load_config = getattr(vllm_config, "load_config", None)
+    snapshot = _hub_snapshot(model, revision, getattr(load_config, "download_dir", None))
+    code = f"|code={mc.code_revision}" if getattr(mc, "code_revision", None) else ""
+    if snapshot is not None:
+        return f"{model}@{os.path.basename(snapshot)}" + _local_identity(snapshot) + code + extra
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return f"{model}@{revision}" + code + extra
+    log.warning("kvtier: cannot pin model %s to a commit (no snapshot in the Hugging Face cache, "
+                "revision %r); its blocks are not reused across restarts: set model_id to share them",
+                model, revision)
+    return f"{model}@{revision or ''}#unpinned-{uuid.uuid4().hex}" + code + extra
+
+
+def _layout_description(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, spec: Any,
+                        num_layers: int) -> str:
+    """How one rank's block sits in memory, as the scheduler knows it from the spec.
+
+    Device, attention backend, vLLM's resolved kernel layout (stride order,
+    e.g. LBNHC), spec type, KV quantization mode, layers, the per-layer
+    block shape (heads, tokens, K and V head sizes) and page bytes (which
+    include a backend's padding).
+    """
+    from vllm.platforms import current_platform
+
+    attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    kernel = (getattr(kv_cache_config, "kv_cache_layout", None)
+              or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "unresolved")
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    mla = getattr(spec, "cache_dtype_str", None)
+    skip = getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None)
+    options = (f"/mla={mla}" if mla else "") + ("/skip=" + ",".join(skip) if skip else "")
+    return (f"{current_platform.device_type}/{getattr(attn, 'name', attn) or 'auto'}/{kernel}/"
+            f"{type(spec).__name__}/{quant}{options}/"
+            f"{num_layers}x[{spec.num_kv_heads},{spec.block_size},{spec.head_size}+{spec.head_size_v}]"
+            f"/page={spec.page_size_bytes}")
 
 
 def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> KeyNamespace:
-    from vllm.platforms import current_platform
-
-    spec, layers = _full_attention_spec(kv_cache_config)
-    attn = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    layout = (f"{current_platform.device_type}/{getattr(attn, 'name', attn) or 'auto'}/"
-              f"{len(layers)}x{spec.num_kv_heads}x{spec.head_size}/{type(spec).__name__}")
+    spec, layers = kv_cache_spec(kv_cache_config)
     pc = vllm_config.parallel_config
-    return KeyNamespace(model=_model_identity(vllm_config, cfg), dtype=str(spec.dtype), layout=layout,
+    mc = vllm_config.model_config
+    return KeyNamespace(model=_model_identity(vllm_config, cfg), dtype=str(spec.dtype),
+                        layout=_layout_description(vllm_config, kv_cache_config, spec,
+                                                   layers_per_rank(vllm_config, len(layers))),
                         block_tokens=spec.block_size, tp_size=pc.tensor_parallel_size,
-                        pp_size=pc.pipeline_parallel_size)
+                        pp_size=pc.pipeline_parallel_size,
+                        cache_dtype=str(vllm_config.cache_config.cache_dtype), model_dtype=str(mc.dtype))
 
 
 def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                          cfg: KvtierConfig) -> SchedulerSide:
-    spec, layers = _full_attention_spec(kv_cache_config)
+    spec, layers = kv_cache_spec(kv_cache_config)
     ns = namespace_for(vllm_config, kv_cache_config, cfg)
     pc = vllm_config.parallel_config
     ranks = pc.tensor_parallel_size * pc.pipeline_parallel_size
-    # Each rank holds its own layers; with PP a rank has a share, so size for all.
-    rank_bytes = -(-spec.page_size_bytes // _LAYER_ALIGN) * _LAYER_ALIGN * len(layers)
+    # Every rank's part of a slot has the same size: that of the largest
+    # pipeline stage (the scheduler's config holds stage 0's layers).
+    rank_bytes = rank_bytes_for(spec, layers_per_rank(vllm_config, len(layers)))
     engine_id = vllm_config.kv_transfer_config.engine_id or "0"
     tier = DramTier.create(arena_path(cfg.shm_dir, engine_id), cfg.dram_size_bytes, rank_bytes, ranks)
+    try:
+        # vLLM stops its engine core with SIGKILL right after SIGTERM: the
+        # reaper, not shutdown(), is what removes the arena on most stops.
+        start_reaper(tier)
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("kvtier: cannot start the process that removes %s after this engine exits (%s); "
+                    "a later kvtier start removes it", tier.path, err)
     ssd = None
     recovered: list = []
     if cfg.ssd_paths:
         try:
-            ssd, recovered = SsdTier.open(cfg.ssd_paths, cfg.ssd_size_bytes, tier.slot_stride, cfg.force_new_disk)
+            # A tier written under another layout (block size, dtype, cache
+            # dtype, kernel layout, ranks) starts empty instead of recovering
+            # blocks whose bytes this engine would misread.
+            ssd, recovered = SsdTier.open(cfg.ssd_paths, cfg.ssd_size_bytes, tier.slot_stride,
+                                          cfg.force_new_disk, fingerprint=ns.fingerprint())
         except BaseException:
             tier.close()
             raise
@@ -159,8 +357,20 @@ def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     tp = vllm_config.parallel_config.tensor_parallel_size
-    rank = get_pp_group().rank_in_group * tp + get_tp_group().rank_in_group
+    pp_rank = get_pp_group().rank_in_group
+    rank = pp_rank * tp + get_tp_group().rank_in_group
     return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums)
+
+
+def worker_rank_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int) -> int | None:
+    """The ``rank_bytes`` the scheduler gives every rank, worked out from a
+    worker's own config (its stage's layers); None when the spec is one the
+    scheduler refuses anyway."""
+    try:
+        spec, layers = kv_cache_spec(kv_cache_config)
+    except ConfigError:
+        return None
+    return rank_bytes_for(spec, layers_per_rank(vllm_config, len(layers), pp_rank))
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -171,21 +381,35 @@ class KvtierConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._inert: str | None = None  # why this run does nothing (scheduler role), or None
+        self._worker_rank_bytes: int | None = None  # what the arena gives each rank (worker role)
         try:
             cfg = parse_connector_config(extra, check_memory=False)
+            check_vllm_config(vllm_config, cfg)
             if role == KVConnectorRole.SCHEDULER:
+                self._inert = inert_reason(vllm_config, kv_cache_config)
+                if self._inert is not None:
+                    # Only the scheduler half decides: with no lookups and no
+                    # saves planned, workers never copy or attach anything.
+                    # (A worker that stood down on its own while the scheduler
+                    # planned loads would report them as done: wrong KV.)
+                    log.warning("kvtier: off for this run: %s; no lookups, no saves, no arena", self._inert)
+                    return
+                # An unsupported model is refused before shared memory is touched.
+                kv_cache_spec(kv_cache_config)
                 # Arenas of killed engines go first: on huge pages they hold
                 # exactly the pages this start needs.
                 removed = remove_stale_arenas(cfg.shm_dir)
                 if removed:
                     log.info("kvtier: removed %d arenas left by dead processes", len(removed))
                 check_dram_fits(cfg)
-            # Opening the tiers can refuse a path (mounted, held, no direct
-            # I/O): that is a configuration error too, shown as one line.
-            if role == KVConnectorRole.SCHEDULER:
+                # Opening the tiers can refuse a path (mounted, held, no direct
+                # I/O): that is a configuration error too, shown as one line.
                 self._scheduler = build_scheduler_side(vllm_config, kv_cache_config, cfg)
             else:
                 self._worker = build_worker_side(vllm_config, kv_cache_config, cfg)
+                pp_rank = self._worker.rank // vllm_config.parallel_config.tensor_parallel_size
+                self._worker_rank_bytes = worker_rank_bytes(vllm_config, kv_cache_config, pp_rank)
         except ConfigError as err:
             log.error("%s", err)
             raise
@@ -210,7 +434,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.exception("kvtier: hashing a new request failed")
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            assert self._inert is not None, "scheduler hook called on a worker"
+            return 0, False
         try:
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception:  # noqa: BLE001 - a lookup failure is a miss
@@ -222,7 +448,9 @@ class KvtierConnector(KVConnectorBase_V1):
     # failure becomes load errors (vLLM recomputes); elsewhere it is a miss.
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            assert self._inert is not None, "scheduler hook called on a worker"
+            return
         try:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
         except Exception:  # noqa: BLE001
@@ -230,7 +458,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self._scheduler.fail_load(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            assert self._inert is not None, "scheduler hook called on a worker"
+            return StepPlan(step=0, arena="")  # nothing to load or save: workers do nothing with it
         try:
             return self._scheduler.build_connector_meta(scheduler_output)
         except Exception:  # noqa: BLE001
@@ -245,7 +475,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.exception("kvtier: processing the workers' report failed")
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            assert self._inert is not None, "scheduler hook called on a worker"
+            return {}
         try:
             return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
         except Exception:  # noqa: BLE001
@@ -253,7 +485,9 @@ class KvtierConnector(KVConnectorBase_V1):
             return super().get_external_cache_hit_sources(request, num_external_tokens)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            assert self._inert is not None, "scheduler hook called on a worker"
+            return False, None
         try:
             return self._scheduler.request_finished(request, block_ids)
         except Exception:  # noqa: BLE001
@@ -264,11 +498,13 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return None
         try:
-            n = self._scheduler.store.clear()
+            # New key seed and store entries doomed: nothing from before the
+            # reset matches after it (SchedulerSide.reset_cache).
+            n = self._scheduler.reset_cache()
         except Exception:  # noqa: BLE001
             log.exception("kvtier: reset failed")
             return False
-        log.info("kvtier: reset dropped %d blocks", n)
+        log.info("kvtier: reset: %d blocks dropped or made unreadable; keys from now on use a new seed", n)
         return True
 
     # --- worker side ------------------------------------------------------
@@ -276,6 +512,18 @@ class KvtierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        layout = self._worker.layout
+        if self._worker_rank_bytes is not None and layout.block_bytes > self._worker_rank_bytes:
+            # Checked here, at start-up, rather than when the first plan
+            # names the arena: a rank that does not fit would otherwise find
+            # out while serving.
+            pp = self._vllm_config.parallel_config.pipeline_parallel_size
+            err = ConfigError("pipeline_parallel_size", pp,
+                              f"worker rank {self._worker.rank} holds {len(layout.layer_names)} layers "
+                              f"({layout.block_bytes} bytes per block), more than the "
+                              f"{self._worker_rank_bytes} bytes per rank the DRAM arena is sized for", "vLLM")
+            log.error("%s", err)
+            raise err
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -283,6 +531,8 @@ class KvtierConnector(KVConnectorBase_V1):
         assert isinstance(plan, StepPlan)
         try:
             self._worker.start_load_kv(plan)
+        except ConfigError:
+            raise  # an arena this worker does not fit: a broken set-up, not a miss
         except Exception:  # noqa: BLE001
             log.exception("kvtier: loading failed; vLLM recomputes the step's %d blocks", len(plan.loads))
             self._worker.fail_loads(plan)
@@ -300,6 +550,8 @@ class KvtierConnector(KVConnectorBase_V1):
             assert isinstance(plan, StepPlan)
             try:
                 self._worker.wait_for_save(plan)
+            except ConfigError:
+                raise  # an arena this worker does not fit: a broken set-up, not a miss
             except Exception:  # noqa: BLE001
                 log.exception("kvtier: saving failed; the step's %d blocks are not kept", len(plan.saves))
                 self._worker.fail_saves(plan)

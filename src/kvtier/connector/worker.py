@@ -79,11 +79,19 @@ class WorkerSide:
             self._disabled = True
             return False
         if tier.rank_bytes < self.layout.block_bytes or self.rank >= tier.ranks:
-            log.error("kvtier: arena %s holds %d bytes for %d ranks, this worker (rank %d) needs %d; cache off",
-                      path, tier.rank_bytes, tier.ranks, self.rank, self.layout.block_bytes)
+            # Not switched off quietly: a rank that never saves looked like a
+            # working cache with no hits (uneven pipeline stages, issue 7).
+            # The connector checks the fit at start-up; reaching this means
+            # the arena and this worker disagree, which no step can fix.
+            from kvtier.errors import ConfigError
+
             tier.close()
-            self._disabled = True
-            return False
+            err = ConfigError("dram arena", path,
+                              f"holds {tier.rank_bytes} bytes per block for each of {tier.ranks} ranks; "
+                              f"this worker (rank {self.rank}, {len(self.layout.layer_names)} layers) needs "
+                              f"{self.layout.block_bytes} bytes")
+            log.error("%s", err)
+            raise err
         self._tier = tier
         region = tier._slots[:, self.rank * tier.rank_stride : self.rank * tier.rank_stride + tier.rank_bytes]
         self._slots = slot_matrix(region, self.layout)

@@ -23,6 +23,13 @@ has written its part, and one checksum per rank. Who writes what:
   every rank must be ready and each part's checksum must hold, else the copy
   is a miss.
 
+The owner holds an exclusive ``flock`` on the file from creation until
+:meth:`DramTier.close`, which unlinks the file under it; that lock, not a
+process id, is what marks an arena alive to :func:`remove_stale_files` in
+any process or container sharing the directory. Workers attach without it.
+:func:`start_reaper` removes the file when the owner dies without closing
+it (vLLM kills its engine core on SIGTERM without waiting).
+
 The file is ``posix_fallocate``-d at creation: tmpfs would otherwise hand out
 pages lazily and a full /dev/shm would kill the engine with SIGBUS on first
 touch, long after start-up said all was well.
@@ -36,9 +43,12 @@ through the mapping.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +96,93 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 def _mask(h: np.void) -> int:
     return sum(1 << r for r in range(MAX_RANKS) if h["ready"][r])
+
+
+def remove_stale_files(directory: str, prefix: str) -> list[str]:
+    """Remove the arenas in ``directory`` whose owner is gone; return their names.
+
+    An owner holds an exclusive ``flock`` on its arena for as long as it
+    lives (:meth:`DramTier.create`), and the kernel drops it when the owner
+    dies, however it dies. So a file named ``prefix...`` that can be locked
+    here without waiting has no owner: it is unlinked while locked, so that
+    no owner can have taken it in between. A file this process cannot open
+    (another user's) is left alone. This replaced a ``kill(pid, 0)`` test
+    that removed live arenas of other containers sharing /dev/shm
+    (tests/unit/test_dram.py::test_stale_cleanup_keeps_a_locked_arena_of_an_invisible_pid).
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in sorted(names):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner is alive
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+# Run by start_reaper() as `python -I -S -c _REAPER path dev ino`: standard
+# library only, so it starts in milliseconds and holds a few MiB.
+_REAPER = """
+import fcntl, os, sys
+path, dev, ino = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if os.fork():
+    os._exit(0)  # the parent returns at once; the child is nobody's child now
+os.setsid()
+try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+except OSError:
+    sys.exit(0)
+st = os.fstat(fd)
+if (st.st_dev, st.st_ino) != (dev, ino):
+    sys.exit(0)
+fcntl.flock(fd, fcntl.LOCK_EX)  # granted once the owner closed the arena or died
+try:
+    if os.path.samestat(os.fstat(fd), os.lstat(path)):
+        os.unlink(path)
+except OSError:
+    pass
+"""
+
+
+def start_reaper(tier: DramTier) -> None:
+    """Start a small process that removes ``tier``'s file once its owner is gone.
+
+    Why: vLLM's API server, on SIGTERM (``docker stop``), sends SIGTERM to
+    the engine core and, with the default ``shutdown_timeout`` of 0,
+    SIGKILL at once (vLLM 0.32: "Process manager: force killing remaining
+    process EngineCore"), so neither the connector's ``shutdown`` nor an
+    ``atexit`` hook gets to run, and the arena stayed in /dev/shm. The
+    reaper waits for the owner's lock (:meth:`DramTier.create`), which the
+    kernel releases however the owner ends, and unlinks the file under it
+    if it is still the same file. It is double-forked into its own session,
+    so vLLM's kill of the engine's process tree and a kill of the server's
+    process group spare it; it holds no lock while it waits, so a cleanup
+    by another engine is not delayed. Owner only. Raises ``OSError`` or
+    ``subprocess.SubprocessError`` if the helper cannot be started.
+    """
+    assert tier.owner, "only the owner's arena is reaped"
+    st = os.fstat(tier._fd)
+    subprocess.run([sys.executable, "-I", "-S", "-c", _REAPER, tier.path, str(st.st_dev), str(st.st_ino)],
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   check=True, timeout=60)
 
 
 @dataclass(frozen=True)
@@ -150,7 +247,7 @@ class DramTier:
             raise ConfigError("dram_size", capacity_bytes,
                               f"too small for one block of {rank_bytes * ranks} bytes")
         size = _round_up(data_off + num_slots * slot_stride, page)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = cls._create_locked(path)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -166,8 +263,36 @@ class DramTier:
             raise
         return cls(path, fd, mm, ranks, num_slots, rank_bytes, slot_stride, data_off, owner=True)
 
+    @staticmethod
+    def _create_locked(path: str) -> int:
+        """Create ``path`` (must not exist) and take the owner's lock on it.
+
+        The lock, held for the arena's lifetime, is how any process sharing
+        the directory tells a live arena from a dead one's (see
+        :func:`remove_stale_files`); process ids cannot, since another
+        container's processes are invisible. A cleanup may lock the new file
+        in the instant before we do and unlink it: then the path no longer
+        names our file and we create it again.
+        """
+        for _ in range(3):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a cleanup holds it
+                if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                    return fd
+            except FileNotFoundError:
+                pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise OSError(f"{path} was removed three times while being created")
+
     @classmethod
     def attach(cls, path: str) -> DramTier:
+        """Map an existing arena (a worker). Takes no lock: the owner's lock
+        alone says the arena is alive, and a worker that outlives its owner
+        keeps its mapping even after a cleanup removed the path."""
         fd = os.open(path, os.O_RDWR)
         try:
             raw = os.pread(fd, _SUPER.size, 0)
@@ -197,13 +322,15 @@ class DramTier:
         self._slots = None  # type: ignore[assignment]
         self._headers = None  # type: ignore[assignment]
         self._mm = None  # type: ignore[assignment]
-        os.close(self._fd)
-        self._fd = -1
         if self.owner:
+            # Unlinked while the owner's lock is still held, then closed,
+            # which releases it.
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        os.close(self._fd)
+        self._fd = -1
 
     @property
     def size_bytes(self) -> int:

@@ -1,0 +1,96 @@
+"""kvtier.hostmem: the container's memory limit, read from fake cgroup trees (issue 7, item 13).
+
+Each test writes a mount table, a /proc/self/cgroup and the cgroup files a
+kernel would show, under a temporary directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.hostmem import CgroupMemory, cgroup_memory_limit
+
+GiB = 1 << 30
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def v2_tree(tmp_path: Path, leaf: str = "/kubepods/pod1/ctr", mount_root: str = "/") -> tuple[str, str, Path]:
+    mount = tmp_path / "cgroup"
+    write(tmp_path / "mountinfo",
+          "22 1 0:21 / / rw - ext4 /dev/vda1 rw\n"
+          f"30 22 0:26 {mount_root} {mount} rw,nosuid - cgroup2 cgroup2 rw\n")
+    write(tmp_path / "proc-cgroup", f"0::{leaf}\n")
+    return str(tmp_path / "proc-cgroup"), str(tmp_path / "mountinfo"), mount
+
+
+def test_a_v2_limit_less_the_working_set(tmp_path: Path) -> None:
+    proc, mounts, mount = v2_tree(tmp_path)
+    leaf = mount / "kubepods/pod1/ctr"
+    write(leaf / "memory.max", f"{16 * GiB}\n")
+    write(leaf / "memory.current", f"{10 * GiB}\n")
+    # 3 GiB of the usage is inactive page cache (the model's files): reclaimable, not counted.
+    write(leaf / "memory.stat", f"anon {6 * GiB}\nfile {4 * GiB}\ninactive_file {3 * GiB}\n")
+    found = cgroup_memory_limit(proc, mounts)
+    assert found == CgroupMemory(str(leaf), 16 * GiB, 7 * GiB)
+    assert found.available_bytes == 9 * GiB
+
+
+def test_the_tightest_ancestor_binds(tmp_path: Path) -> None:
+    proc, mounts, mount = v2_tree(tmp_path)
+    write(mount / "kubepods/pod1/ctr/memory.max", "max\n")  # the container itself: no limit
+    write(mount / "kubepods/pod1/ctr/memory.current", f"{1 * GiB}\n")
+    write(mount / "kubepods/pod1/memory.max", f"{4 * GiB}\n")  # the pod: 4 GiB
+    write(mount / "kubepods/pod1/memory.current", f"{3 * GiB}\n")
+    write(mount / "kubepods/memory.max", f"{64 * GiB}\n")
+    write(mount / "kubepods/memory.current", f"{20 * GiB}\n")
+    found = cgroup_memory_limit(proc, mounts)
+    assert found is not None and found.path == str(mount / "kubepods/pod1")
+    assert found.available_bytes == 1 * GiB
+
+
+def test_no_limit_anywhere_is_none(tmp_path: Path) -> None:
+    proc, mounts, mount = v2_tree(tmp_path)
+    write(mount / "kubepods/pod1/ctr/memory.max", "max\n")
+    assert cgroup_memory_limit(proc, mounts) is None
+
+
+def test_a_cgroup_namespace_shows_the_container_at_the_mount_root(tmp_path: Path) -> None:
+    # With a cgroup namespace /proc/self/cgroup says "0::/" and the mount's root is the container.
+    proc, mounts, mount = v2_tree(tmp_path, leaf="/")
+    write(mount / "memory.max", f"{8 * GiB}\n")
+    write(mount / "memory.current", f"{2 * GiB}\n")
+    assert cgroup_memory_limit(proc, mounts) == CgroupMemory(str(mount), 8 * GiB, 2 * GiB)
+
+
+def test_a_host_path_outside_the_mount_root_falls_back_to_the_mount(tmp_path: Path) -> None:
+    proc, mounts, mount = v2_tree(tmp_path, leaf="/docker/abc", mount_root="/docker/abc")
+    write(mount / "memory.max", f"{8 * GiB}\n")
+    write(mount / "memory.current", f"{1 * GiB}\n")
+    assert cgroup_memory_limit(proc, mounts) == CgroupMemory(str(mount), 8 * GiB, 1 * GiB)
+
+
+def test_a_v1_memory_controller(tmp_path: Path) -> None:
+    mount = tmp_path / "memory"
+    write(tmp_path / "mountinfo",
+          f"35 31 0:32 / {mount} rw,relatime - cgroup cgroup rw,memory\n"
+          f"40 31 0:37 / {tmp_path / 'unified'} rw - cgroup2 cgroup2 rw\n")
+    write(tmp_path / "proc-cgroup", "4:memory:/process_api/abc\n1:cpu:/\n0::/\n")
+    leaf = mount / "process_api/abc"
+    write(leaf / "memory.limit_in_bytes", f"{2 * GiB}\n")
+    write(leaf / "memory.usage_in_bytes", f"{GiB + GiB // 2}\n")
+    write(leaf / "memory.stat", f"cache 100\ntotal_inactive_file {GiB // 2}\n")
+    write(mount / "process_api/memory.limit_in_bytes", "9223372036854771712\n")  # v1's "unlimited"
+    write(mount / "memory.limit_in_bytes", "9223372036854771712\n")
+    found = cgroup_memory_limit(str(tmp_path / "proc-cgroup"), str(tmp_path / "mountinfo"))
+    assert found == CgroupMemory(str(leaf), 2 * GiB, 1 * GiB)
+
+
+def test_no_cgroup_file_system_is_none(tmp_path: Path) -> None:
+    write(tmp_path / "mountinfo", "22 1 0:21 / / rw - ext4 /dev/vda1 rw\n")
+    write(tmp_path / "proc-cgroup", "0::/\n")
+    assert cgroup_memory_limit(str(tmp_path / "proc-cgroup"), str(tmp_path / "mountinfo")) is None
+    assert cgroup_memory_limit(str(tmp_path / "missing"), str(tmp_path / "mountinfo")) is None
