@@ -383,7 +383,11 @@ def test_ssd_write_error_drops_the_blocks(make_store, disk: DiskIo, err: int) ->
     disk.fail_writes = True
     save_each(store, KEYS[:9])  # evicting K0..K3 tries to demote them
     c = store.counters()
-    assert c["demote_failures"] >= 4 and c["blocks_demoted"] == 0
+    # Eviction tries the 4 it evicts once; cleaning, backing off after each
+    # failed batch (2, 4, 8 steps), tries at most three batches of the at most
+    # 5 blocks without a copy in 9 steps. Which batches run depends on the
+    # order the I/O threads finish in: without back-off it was 42.
+    assert 4 <= c["demote_failures"] <= 4 + 3 * 5 and c["blocks_demoted"] == 0
     assert (c["dram_slots_used"], c["ssd_slots_used"]) == (5, 0)
     assert store.probe(KEYS[:4]) == Probe(0, 0)
     assert in_dram(store, KEYS[:9]) == KEYS[4:9]
@@ -414,7 +418,7 @@ def test_at_the_dram_watermark_eviction_frees_without_copy(make_store, disk: Dis
     save_each(store, KEYS[8:9], first_step=8)
     c = store.counters()
     assert (c["evictions"], c["evicted_without_copy"]) == (4, lost)
-    assert c["demote_failures"] - failures >= 4 - lost
+    assert 4 - lost <= c["demote_failures"] - failures <= 4 - lost + 5  # at most one cleaning batch more
     assert in_dram(store, KEYS[:9]) == KEYS[4:9]
     assert store.probe(KEYS[:4]) == Probe(0, 0)
 
