@@ -7,7 +7,8 @@ traced) and the process's RSS delta. Goal: <= 64 bytes per slot. Peer: the
 per-block Python objects the store kept before (a dict entry, an entry
 object and an LRU node per block), measured the same way at 1,000,000
 slots. Then lookup, insert (take + begin_write + publish) and touch rates,
-and one eviction batch of 10 % of the slots.
+and one eviction batch as the store runs it under its lock (1 % of the
+slots, at most 65,536: ``eviction_batch``).
 
 Part 2 (a file here): an SSD tier of ``--tier-gb`` (default 20) with slots
 of ``--slot-kib`` (default 256), every slot written, then opened again:
@@ -38,7 +39,7 @@ import numpy as np
 import xxhash
 
 from kvtier.tier.ssd import BlockRecord, IoOps, SsdLocation, SsdTier
-from kvtier.tier.ssd_index import SsdIndex
+from kvtier.tier.ssd_index import SsdIndex, eviction_batch
 
 GOAL_BYTES_PER_SLOT = 64
 TB = 4 * 10**12
@@ -132,9 +133,9 @@ def rates(index: SsdIndex, ops: int) -> dict:
     return out
 
 
-def evict_batch(index: SsdIndex, share: float) -> tuple[int, float, float]:
+def evict_batch(index: SsdIndex) -> tuple[int, float, float]:
     """(blocks, seconds to pick the victims, seconds to remove them) of one eviction batch."""
-    k = int(len(index) * share)
+    k = eviction_batch(index.num_slots)
     t = time.perf_counter()
     victims = index.victims(k)
     pick_s = time.perf_counter() - t
@@ -214,13 +215,13 @@ def main() -> int:
           f"SsdIndex / this | {per_traced / per_object:.2f}x |")
 
     r = rates(index, args.ops)
-    k, pick_s, remove_s = evict_batch(index, 0.10)
+    k, pick_s, remove_s = evict_batch(index)
     print(f"\n{args.ops:,} operations each on the full index:\n")
     print("| operation | per second |")
     print("|---|---|")
     for name, rate in r.items():
         print(f"| {name} | {rate:,.0f} |")
-    print(f"| eviction batch of {k:,} (10 %): pick {pick_s * 1000:.0f} ms + remove {remove_s * 1000:.0f} ms | "
+    print(f"| one eviction batch of {k:,} (bounded: 1 % of the slots, at most 65,536): pick {pick_s * 1000:.0f} ms + remove {remove_s * 1000:.0f} ms | "
           f"{k / (pick_s + remove_s):,.0f} blocks |")
     del index, m
     gc.collect()

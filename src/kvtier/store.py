@@ -26,7 +26,10 @@ that is not is demoted (written to SSD through a bounded queue, freed once
 durable), unless DRAM usage is at or above ``dram_watermark_pct``, the
 queue is full or SSD writes were given up, when it is freed without a
 copy. The SSD tier evicts its own least recently used blocks between its
-own watermarks. Ahead of that, once DRAM holds more than ``2 * low - high``
+own watermarks: once a write would pass ``ssd_high_pct``, every SSD slot
+taken first frees one bounded batch (:func:`~kvtier.tier.ssd_index.eviction_batch`)
+until usage is down to ``ssd_low_pct``, so the store's lock is never held
+for a whole high-to-low eviction at once. Ahead of that, once DRAM holds more than ``2 * low - high``
 percent, the least recently used blocks without an SSD copy are copied in
 the background ("cleaned"), so that the eviction that follows frees them at
 once: a promotion or a burst of saves then finds room without waiting for
@@ -73,7 +76,7 @@ from kvtier.policy import EvictionPolicy, LruPolicy
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import BlockRecord, Recovered, SsdLocation, SsdTier
-from kvtier.tier.ssd_index import SsdIndex
+from kvtier.tier.ssd_index import SsdIndex, eviction_batch
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +238,10 @@ class TieredStore:
             if ssd.slot_bytes != tier.slot_stride:
                 raise ValueError(f"SSD slots of {ssd.slot_bytes} bytes cannot hold DRAM slots of {tier.slot_stride}")
             self._ssd_high, self._ssd_low = _marks(ssd.num_slots, ssd_high_pct, ssd_low_pct)
+            # Most SSD blocks one eviction call frees, and whether an eviction
+            # from the high mark down to the low one is under way.
+            self._ssd_batch = eviction_batch(ssd.num_slots)
+            self._ssd_evicting = False
             self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-io")
             self._adopt(recovered)
 
@@ -687,15 +694,23 @@ class TieredStore:
     def _take_ssd_locked(self) -> tuple[int, bool] | None:
         """A free SSD slot (global number) and whether it may hold an older header, or None."""
         if len(self._ssd_entries) + 1 > self._ssd_high:
+            self._ssd_evicting = True
+        if self._ssd_evicting:
             self._evict_ssd_to(self._ssd_low)
         return self._ssd_entries.take()
 
     def _evict_ssd_to(self, target: int) -> None:
         # One batch of the least recently used READY, unpinned blocks, chosen
         # and removed together: the cost is spread over the blocks it frees.
+        # At most ``_ssd_batch`` of them: the eviction goes on in the next
+        # calls until usage is down to ``target``, or stops early when nothing
+        # more can go now (all written or pinned; the high mark starts it again).
         # Their headers still name them until the slots are reused; reuse
         # first writes empty headers (SsdTier.write, step 1).
-        slots = self._ssd_entries.victims(len(self._ssd_entries) - target)
+        want = min(len(self._ssd_entries) - target, self._ssd_batch)
+        slots = self._ssd_entries.victims(want)
+        if slots.size < want or len(self._ssd_entries) - slots.size <= target:
+            self._ssd_evicting = False
         self._ssd_entries.remove_many(slots)
         self._ssd_copies_dropped(slots)
         n = int(slots.size)

@@ -498,6 +498,40 @@ def test_ssd_evicts_lru_between_its_watermarks(make_store, disk: DiskIo) -> None
     assert len(disk.written) < disk.data_writes
 
 
+def test_ssd_eviction_frees_bounded_batches_down_to_the_low_mark(make_store, disk: DiskIo) -> None:
+    # Each eviction call runs under the store's lock: it frees at most one
+    # batch (1 % of the slots, 64 to 65,536; here forced to 3), and the next
+    # slots taken go on evicting until the low mark (issue 7: 1M blocks at
+    # once held the lock for seconds).
+    store = make_store(ssd_high_pct=50, ssd_low_pct=25)  # SSD high 16, low 8 of 32
+    store._ssd_batch = 3
+    index = store._ssd_entries
+    sizes: list[tuple[int, int]] = []  # (blocks removed, keys held after)
+    remove_many = index.remove_many
+
+    def recording(slots, *args, **kwargs):
+        remove_many(slots, *args, **kwargs)
+        sizes.append((int(slots.size), len(index)))
+
+    index.remove_many = recording
+    save_each(store, KEYS[:25])
+    assert sizes and all(0 < n <= 3 for n, _ in sizes)
+    assert min(held for _, held in sizes) == 8  # down to the low mark, not only below the high one
+    c = store.counters()
+    assert c["ssd_evictions"] == sum(n for n, _ in sizes)
+    assert c["ssd_slots_used"] <= 16
+    # Least recently used first, as with one batch.
+    assert on_ssd(store, KEYS[:25]) == KEYS[c["ssd_evictions"]:20]
+
+
+def test_ssd_eviction_batch_is_one_percent_of_the_slots_within_bounds() -> None:
+    from kvtier.tier.ssd_index import EVICT_BATCH_MAX, eviction_batch
+
+    assert eviction_batch(32) == 64
+    assert eviction_batch(1_000_000) == 10_000
+    assert eviction_batch(10_000_000) == EVICT_BATCH_MAX == 65_536
+
+
 def test_ssd_eviction_skips_a_block_being_promoted(make_store, disk: DiskIo) -> None:
     store = make_store(ssd_high_pct=50, ssd_low_pct=25)
     save_each(store, KEYS[:21])
