@@ -8,9 +8,10 @@ hide nor fake a divergence) on a small model built on the spot:
    comparison's own noise (must be 0 divergent, or the run proves nothing);
 3. vLLM with kvtier, a device cache, a DRAM tier and an SSD tier all far
    smaller than the working set, answers them in the same order while the
-   run (a) flips bytes in every SSD slot a third of the way in, (b) restarts
-   the server on the same SSD file half way, (c) flips bytes in the DRAM
-   arena and, more sparsely, on SSD again two thirds of the way in.
+   run (a) flips bytes in every SSD slot a third of the way in, (b) kills
+   the server (SIGKILL to every process) half way while requests are loading
+   and saving, and starts it again on the same SSD file, (c) flips bytes in
+   the DRAM arena and, more sparsely, on SSD again two thirds of the way in.
 
 The workload mixes shared-prefix trees (a root prefix, branches extending it,
 leaves with their own suffix), partial prefixes (a earlier prompt cut at a
@@ -94,6 +95,33 @@ def ask(url: str, prompt: list[int]) -> tuple[list[int], str]:
         return [], f"HTTP {r.status_code}: {r.text[:200]}"
     choice = r.json()["choices"][0]
     return list(choice.get("token_ids") or []), choice["text"]
+
+
+def ask_quietly(url: str, prompt: list[int]) -> None:
+    """A request that may die with the server: its answer is not compared."""
+    try:
+        ask(url, prompt)
+    except httpx.HTTPError:
+        pass
+
+
+def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int) -> None:
+    """SIGKILL every process of the server while ``prompts`` are being served."""
+    import signal
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for p in prompts:
+            pool.submit(ask_quietly, srv.url, p)
+        deadline = time.monotonic() + 60
+        # Kill once the engine is working on them (loading, computing, saving).
+        while not srv.metrics().get("vllm:num_requests_running", 0.0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait()
+
+
+def kvtier_arenas() -> int:
+    return sum(1 for name in os.listdir("/dev/shm") if name.startswith("kvtier-dram-"))
 
 
 def answer_all(url: str, prompts: list[list[int]], indexes: range, concurrency: int) -> dict[int, tuple]:
@@ -183,6 +211,7 @@ def run(opts: StressOptions) -> dict:
             totals[k] = totals.get(k, 0.0) + delta(after, before, k)
 
     t0 = time.monotonic()
+    arenas_before = kvtier_arenas()
     with VllmServer(kv_opts, log_path=work / "kvtier-1.log") as srv:
         m0 = srv.metrics()
         got.update(answer_all(srv.url, prompts, range(0, third), opts.concurrency))
@@ -190,9 +219,13 @@ def run(opts: StressOptions) -> dict:
         faults["ssd bytes flipped (1)"] = flip_file(str(ssd), 96 << 10, 64 << 10)
         got.update(answer_all(srv.url, prompts, range(third, half), opts.concurrency))
         add(m0, srv.metrics())
-    faults["restarts"] = 1
+        # The answers to these are not compared: they die with the server.
+        kill_with_requests_in_flight(srv, prompts[half : half + opts.concurrency], opts.concurrency)
+    faults["kill -9 with requests in flight"] = 1
     with VllmServer(kv_opts, log_path=work / "kvtier-2.log") as srv:
         recovered = srv.log_text()
+        # The killed engine's arena is gone (its reaper, or this start's cleanup): one arena, this one's.
+        arenas_after_restart = kvtier_arenas() - arenas_before
         m0 = srv.metrics()
         got.update(answer_all(srv.url, prompts, range(half, two_thirds), opts.concurrency))
         faults["dram slots flipped"] = flip_arena(srv.log_text())
@@ -212,6 +245,7 @@ def run(opts: StressOptions) -> dict:
         "failed_requests": failed, "noise_divergent (vLLM alone vs itself)": noise,
         "divergent (kvtier vs vLLM alone)": len(divergent), "first_divergent": divergent[:10],
         "engine_alive": alive, "recovered_line": "blocks recovered" in recovered, "faults": faults,
+        "arenas_after_restart": arenas_after_restart,
         "counters": {k: int(v) for k, v in totals.items()},
         "seconds": {"vllm_alone_two_passes": round(t_plain), "kvtier": round(t_kvtier)},
     }
@@ -230,6 +264,8 @@ def verdict(s: dict) -> list[str]:
         problems.append(f"{s['divergent (kvtier vs vLLM alone)']} outputs differ from vLLM alone")
     if not s["engine_alive"]:
         problems.append("the engine died")
+    if s["arenas_after_restart"] != 1:
+        problems.append(f"{s['arenas_after_restart']} arenas after the restart: the killed engine's was left")
     for src in ("host", "disk"):
         if not c.get(f'vllm:prompt_tokens_cached_by_source_total{{source="{src}"}}'):
             problems.append(f"no hits from {src}: that tier was not exercised")
