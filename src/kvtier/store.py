@@ -1,11 +1,14 @@
-"""TieredStore: the index of what the pool holds, its slots, pins, evictions and tier moves.
+"""TieredStore: the index of what the pool holds, its slots, pins, watermarks and evictions.
 
 Runs in the process that owns the index: vLLM's scheduler process for the
-embedded backend (later, the pool's service). Data never passes through the
+embedded backend, or the pool's service. Data never passes through the
 store's callers: workers copy into and out of DRAM slots themselves; the
-store hands out slots, publishes them, and moves blocks between DRAM and the
-SSD tier on its own I/O threads (accelerator -> DRAM -> SSD; an SSD hit is
-promoted back to DRAM, "rewarm", and loaded from there).
+store hands out slots, publishes them, and decides which blocks move
+between DRAM and the SSD tier (accelerator -> DRAM -> SSD; an SSD hit is
+promoted back to DRAM, "rewarm", and loaded from there). The moves
+themselves, their I/O threads, batches and the SSD write back-off belong to
+its :class:`~kvtier.movers.TierMover`; the store is the state machine they
+report to, under its lock (the ``_locked`` methods under "moves ending").
 
 Order of calls for one engine step ``s``::
 
@@ -14,6 +17,17 @@ Order of calls for one engine step ``s``::
     pin(keys, s)        -> slots  the DRAM slots a reader will copy from
     prepare_save(keys, s) -> SaveSlots  DRAM slots a writer will fill (PENDING)
     complete_step(s, failed)      writers and readers of step s are done
+
+Several clients may share one store (the pool's service): each is a
+session, named by an ``owner`` number (0 for the embedded backend, which
+is the only one), and ``pin``, ``prepare_save``, ``complete_step``,
+``abandon_saves`` and ``doom_pending`` take it as a keyword. Pins and
+PENDING entries are kept per (owner, step), so the clients' step counters
+may collide: a step settles, abandons or dooms only its owner's. A client
+that dies or whose lease expires is forgotten with ``end_session(owner)``:
+its pins are released and the PENDING entries it created are dropped
+(``session_holds`` counts both). The entries themselves are shared: a key
+saved by one client is found, pinned and evicted for all.
 
 A probe keeps what it reported: a block it counts as readable in DRAM
 stays there until the caller pins it (a pending "free once written to SSD"
@@ -37,12 +51,12 @@ writes. Blocks without an SSD copy are kept in a recency order of their own
 ("dirty"), so cleaning looks only at candidates, and every walk stops once
 it has what it needs: a step costs what it changes, not the pool's size.
 
-A failed SSD write (a batch of demotions) backs cleaning off: it copies
-nothing for 2, 4, 8, ... completed steps, and then one batch at a time
-until a write succeeds (which resets the count); evictions still try the
-one copy of each block they evict, one batch at a time. After
-``DEMOTE_GIVE_UP`` failed batches in a row the store stops writing to SSD
-for good (one log line, counted), while SSD reads go on.
+A failed SSD write (a batch of demotions) backs cleaning off (the mover's
+back-off): it copies nothing for 2, 4, 8, ... completed steps, and then one
+batch at a time until a write succeeds (which resets the count); evictions
+still try the one copy of each block they evict, one batch at a time.
+After ``DEMOTE_GIVE_UP`` failed batches in a row the store stops writing to
+SSD for good (one log line, counted), while SSD reads go on.
 
 ``clear`` (vLLM's reset after a weight update) drops every entry not in use
 and dooms the rest: pinned, PENDING, PROMOTING and demoting entries become
@@ -53,8 +67,12 @@ gets its header emptied). Nothing from before a reset matches after it.
 Invariants: PENDING and PROMOTING entries are never readable and never
 evicted; pinned and demoting entries are never evicted; doomed entries are
 never readable again; a slot (DRAM or SSD) returns to its free list only
-once no entry points at it. Every public method and every I/O completion
-takes the store's lock; I/O itself runs outside it.
+once no entry points at it. A PENDING entry is settled (made READY or
+dropped) only by a call of the owner that created it, for its step; an
+entry's pin count is the number of pins the sessions hold on it, each
+released once (at its owner's step or its end_session). Every public
+method and every I/O completion takes the store's lock; I/O itself runs
+outside it.
 """
 
 from __future__ import annotations
@@ -65,28 +83,18 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import xxhash
 
-from kvtier.errors import TierIOError
+from kvtier.movers import DEMOTE_GIVE_UP as DEMOTE_GIVE_UP  # re-exported: part of the store's contract
+from kvtier.movers import PromoteJob, TierMover
 from kvtier.policy import EvictionPolicy, LruPolicy
 from kvtier.tier import DramTier
-from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import BlockRecord, Recovered, SsdLocation, SsdTier
 from kvtier.tier.ssd_index import SsdIndex, eviction_batch
 
 log = logging.getLogger(__name__)
-
-_IO_BATCH = 16  # blocks per demotion job: one round of fdatasyncs per batch
-_PROMOTE_BATCH = 4  # blocks per promotion job: small, so all I/O threads share a prefix's reads
-# Failed demotion batches in a row after which SSD writes stop for good. With
-# the back-off doubling from 2 steps, the last try comes 2+4+8+16+32 = 62
-# completed steps after the first failure: a transient error (a full disk
-# being cleaned up) has time to pass, a dead disk is not written forever.
-DEMOTE_GIVE_UP = 6
 
 
 class EntryState(enum.Enum):
@@ -99,8 +107,9 @@ class EntryState(enum.Enum):
 class _Entry:
     slot: int
     state: EntryState
-    step: int
+    step: int  # the step of the owner that created it (PENDING), -1 if promoted
     pins: int = 0
+    owner: int = 0  # the session that created it (PENDING until its step completes)
     on_ssd: bool = False
     demoting: bool = False  # being written to SSD
     evict_after: bool = False  # free the DRAM copy once the SSD copy is durable
@@ -199,32 +208,23 @@ class TieredStore:
         self._high, self._low = _marks(tier.num_slots, high_pct, low_pct)
         self._watermark = max(1, int(tier.num_slots * dram_watermark_pct / 100))
         self._c = EventCounts()
-        self._pending_by_step: dict[int, list[bytes]] = {}
+        # Per session (owner), per step of that owner: the keys of the PENDING
+        # entries it created, and the keys it pinned (once per pin).
+        self._pending: dict[int, dict[int, list[bytes]]] = {}
         self._last_eviction_log = self._last_ssd_eviction_log = float("-inf")  # the first one always logs
         # Re-entrant: a job's done-callback may run on the thread that submitted it.
         self._lock = threading.RLock()
-        self._pins_by_step: dict[int, list[bytes]] = {}
-        self._demoting = 0  # entries being written to SSD
-        self._freeing = 0  # of those, the ones evicted (freed once written)
+        self._pins: dict[int, dict[int, list[bytes]]] = {}
+        self._freeing = 0  # entries being written to SSD that are evicted (freed once written)
         # Above this many entries, the least recently used blocks are copied to
         # SSD ahead of need ("cleaned"), so that eviction later frees them at
         # once instead of waiting for a write.
         self._clean_mark = max(0, 2 * self._low - self._high)
-        self._demote_limit = demote_queue_blocks
         # READY entries with no SSD copy and none being written, in recency
         # order: what cleaning may copy. Walking only these keeps a step's
         # cost to what changed; the full policy order is mostly blocks
         # already copied once DRAM sits above the clean mark.
         self._dirty = LruPolicy()
-        # Back-off of SSD writes, counted in completed steps (complete_step
-        # calls), not wall time: after a failed batch cleaning starts no
-        # write before step ``_demote_resume``; ``_demote_fails`` failed in a row.
-        self._steps_done = 0
-        self._demote_fails = 0
-        self._demote_resume = 0
-        self._writes_off = False  # gave up on SSD writes
-        self._inflight: set[Future] = set()
-        self._idle = threading.Condition(self._lock)
 
         self.ssd = ssd
         # Key -> SSD slot, slot states (free, dirty: may hold a valid older
@@ -233,7 +233,6 @@ class TieredStore:
         # An empty one without an SSD tier, so lookups need no branch.
         self._ssd_entries = SsdIndex(ssd.num_slots if ssd is not None else 0,
                                      ssd.location if ssd is not None else None)
-        self._io: ThreadPoolExecutor | None = None
         if ssd is not None:
             if ssd.slot_bytes != tier.slot_stride:
                 raise ValueError(f"SSD slots of {ssd.slot_bytes} bytes cannot hold DRAM slots of {tier.slot_stride}")
@@ -242,7 +241,11 @@ class TieredStore:
             # from the high mark down to the low one is under way.
             self._ssd_batch = eviction_batch(ssd.num_slots)
             self._ssd_evicting = False
-            self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-io")
+        # The I/O threads (none without an SSD tier) and the moves on them:
+        # demotions, promotions, SSD header invalidations (movers.py).
+        self._mover = TierMover(self, self._lock, self._c, tier, ssd, io_threads=io_threads,
+                                demote_queue_blocks=demote_queue_blocks)
+        if ssd is not None:
             self._adopt(recovered)
 
     def _adopt(self, recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]]) -> None:
@@ -262,9 +265,15 @@ class TieredStore:
 
     def close(self) -> None:
         """Finish the I/O in flight, then stop the I/O threads (tiers are closed by their owner)."""
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-            self._io = None
+        self._mover.close()
+
+    def wait_progress(self, timeout_s: float) -> None:
+        """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL."""
+        self._mover.wait_progress(timeout_s)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no demotion or promotion is in flight (tests, shutdown, benchmarks)."""
+        return self._mover.wait_idle(timeout_s)
 
     # --- readers ----------------------------------------------------------
 
@@ -321,7 +330,7 @@ class TieredStore:
         is not on SSD."""
         if self.ssd is None:
             return 0
-        jobs: list[tuple[bytes, int, SsdLocation, BlockRecord]] = []
+        jobs: list[PromoteJob] = []
         moving = 0
         with self._lock:
             wanted: list[bytes] = []
@@ -353,15 +362,16 @@ class TieredStore:
                 s.pins += 1
                 jobs.append((key, slot, s.loc, s.rec))  # type: ignore[arg-type]
                 moving += 1
-            for i in range(0, len(jobs), _PROMOTE_BATCH):
-                self._submit(self._promote, jobs[i : i + _PROMOTE_BATCH])
+            if jobs:
+                self._mover.promote(jobs)
         return moving
 
-    def pin(self, keys: Sequence[bytes], step: int) -> list[int | None]:
-        """Pin READY ``keys`` until :meth:`complete_step` of ``step``; None where not READY."""
+    def pin(self, keys: Sequence[bytes], step: int, *, owner: int = 0) -> list[int | None]:
+        """Pin READY ``keys`` until ``owner``'s :meth:`complete_step` of
+        ``step`` (or its :meth:`end_session`); None where not READY."""
         out: list[int | None] = []
         with self._lock:
-            pinned = self._pins_by_step.setdefault(step, [])
+            pinned = self._pins.setdefault(owner, {}).setdefault(step, [])
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or e.state is not EntryState.READY or e.doomed:
@@ -374,15 +384,54 @@ class TieredStore:
 
     # --- writers ----------------------------------------------------------
 
+    def adopt_dram(self, blocks: Sequence[tuple[bytes, int]]) -> int:
+        """Take over READY blocks already in the arena's slots (an arena a
+        dead meta service left, :meth:`DramTier.sealed_blocks`): each
+        ``(key, slot)`` becomes readable as if just saved. Call on a new
+        store, before any other call. Returns how many were adopted (a key
+        or slot given twice is adopted once)."""
+        with self._lock:
+            free = set(self._free)
+            n = 0
+            for key, slot in blocks:
+                if key in self._entries or slot not in free:
+                    continue
+                free.discard(slot)
+                s = self._ssd_entries.get(key)
+                e = _Entry(slot, EntryState.READY, -1, on_ssd=s is not None and s.ready)
+                self._entries[key] = e
+                self._policy.insert(key)
+                self._sync_dirty(key, e)
+                n += 1
+            self._free = [x for x in self._free if x in free]
+            return n
+
+    def key_info(self, key: bytes) -> dict[str, object] | None:
+        """Where ``key`` is held, for queries; None if nowhere. Changes nothing (no recency)."""
+        with self._lock:
+            e = self._entries.get(key)
+            s = self._ssd_entries.get(key)
+            if e is None and (s is None or not s.ready):
+                return None
+            info: dict[str, object] = {"tiers": [t for t, held in (("dram", e is not None), ("ssd", s is not None
+                                                                    and s.ready)) if held]}
+            if e is not None:
+                info["dram"] = {"slot": e.slot, "state": e.state.value, "pins": e.pins, "doomed": e.doomed,
+                                "being_written_to_ssd": e.demoting}
+            if s is not None and s.ready:
+                info["ssd"] = {"slot": int(s.slot), "pins": int(s.pins)}
+            return info
+
     def contains(self, key: bytes) -> bool:
         with self._lock:
             return key in self._entries
 
-    def prepare_save(self, keys: Sequence[bytes], step: int) -> SaveSlots:
-        """DRAM slots for writing ``keys`` in ``step`` (entries PENDING until
-        :meth:`complete_step`); None for a key already held in DRAM (or being
-        written) and for one there is no room for: ``placed`` on the result
-        tells which (see :class:`SaveSlots`)."""
+    def prepare_save(self, keys: Sequence[bytes], step: int, *, owner: int = 0) -> SaveSlots:
+        """DRAM slots for writing ``keys`` in ``owner``'s ``step`` (entries
+        PENDING until that owner's :meth:`complete_step`); None for a key
+        already held in DRAM (or being written, by any owner) and for one
+        there is no room for: ``placed`` on the result tells which (see
+        :class:`SaveSlots`)."""
         out = SaveSlots()
         placed = -1  # index of the first key not settled, once found
         with self._lock:
@@ -390,7 +439,7 @@ class TieredStore:
             new = [k for k in dict.fromkeys(keys) if k not in entries]
             self._make_room_locked(len(new))
             wanted = set(new)
-            pending = self._pending_by_step.setdefault(step, [])
+            pending = self._pending.setdefault(owner, {}).setdefault(step, [])
             added: list[bytes] = []
             for i, key in enumerate(keys):
                 if key not in wanted:
@@ -412,7 +461,8 @@ class TieredStore:
                 slot = self._free.pop()
                 self.tier.clear(slot, key)
                 s = self._ssd_entries.get(key)
-                entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready)
+                entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready,
+                                      owner=owner)
                 pending.append(key)
                 added.append(key)
                 out.append(slot)
@@ -422,47 +472,107 @@ class TieredStore:
         out.placed = len(out) if placed < 0 else placed
         return out
 
-    def complete_step(self, step: int, failed_slots: Iterable[int] = ()) -> None:
-        """Everything the workers did for steps up to ``step`` is finished.
+    def complete_step(self, step: int, failed_slots: Iterable[int] = (), *, owner: int = 0) -> None:
+        """Everything ``owner``'s workers did for its steps up to ``step`` is finished.
 
         PENDING entries of those steps become READY unless their slot is in
         ``failed_slots`` (then they are dropped and their slot freed); pins
         taken for those steps are released. Steps finish in order, so a step
-        whose report was lost is settled by a later one.
+        whose report was lost is settled by a later one. Other owners' steps
+        are not touched; every call (of any owner) counts as one completed
+        step of the pool for the SSD write back-off, and may start cleaning.
         """
         failed = set(failed_slots)
         with self._lock:
-            self._steps_done += 1  # the clock of the SSD write back-off
-            for s in [s for s in self._pending_by_step if s <= step]:
-                for key in self._pending_by_step.pop(s):
-                    e = self._entries.get(key)
-                    if e is None or e.state is not EntryState.PENDING or e.step != s:
+            self._mover.step_done()  # the clock of the SSD write back-off
+            for s, keys in self._take_steps(self._pending, owner, step):
+                for key in keys:
+                    e = self._own_pending(key, owner, s)
+                    if e is None:
                         continue
                     if e.slot in failed or e.doomed:
                         self._c.save_failures += 1
                         self._drop(key, e)
                     else:
                         e.state = EntryState.READY
+                        self.tier.publish(e.slot)
                         self._sync_dirty(key, e)
-            for s in [s for s in self._pins_by_step if s <= step]:
-                for key in self._pins_by_step.pop(s):
-                    e = self._entries.get(key)
-                    if e is not None:
-                        e.pins -= 1
-                        if e.doomed and e.pins == 0 and e.state is EntryState.READY and not e.demoting:
-                            self._drop(key, e)
+            for _, keys in self._take_steps(self._pins, owner, step):
+                self._unpin(keys)
             self._clean_locked()
 
-    def abandon_saves(self, step: int) -> int:
-        """Drop the PENDING entries of ``step``: no writer will fill them. Returns how many."""
+    def abandon_saves(self, step: int, *, owner: int = 0) -> int:
+        """Drop the PENDING entries of ``owner``'s ``step``: no writer will fill them. Returns how many."""
         with self._lock:
-            n = 0
-            for key in self._pending_by_step.pop(step, []):
-                e = self._entries.get(key)
-                if e is not None and e.state is EntryState.PENDING:
-                    self._drop(key, e)
-                    n += 1
+            steps = self._pending.get(owner, {})
+            n = self._drop_pending(owner, step, steps.pop(step, []))
+            if not steps:
+                self._pending.pop(owner, None)
             return n
+
+    def end_session(self, owner: int) -> tuple[int, int]:
+        """Forget ``owner``, whose client died or whose lease expired: release
+        every pin it holds (a doomed entry left free is dropped) and drop every
+        PENDING entry it created (no writer will seal it; its slot is free
+        again). Afterwards the store holds nothing of ``owner``: a late
+        :meth:`complete_step` of it finds nothing to settle. Returns (pins
+        released, PENDING entries dropped).
+
+        The slots are reused at once: the caller makes sure that the owner's
+        workers no longer write into them.
+        """
+        with self._lock:
+            unpinned = 0
+            for keys in self._pins.pop(owner, {}).values():
+                self._unpin(keys)
+                unpinned += len(keys)
+            dropped = sum(self._drop_pending(owner, s, keys)
+                          for s, keys in self._pending.pop(owner, {}).items())
+            return unpinned, dropped
+
+    def session_holds(self, owner: int) -> tuple[int, int]:
+        """(pins held, PENDING entries) of ``owner``: what :meth:`end_session` would release."""
+        with self._lock:
+            pins = sum(len(keys) for keys in self._pins.get(owner, {}).values())
+            pending = sum(self._own_pending(key, owner, s) is not None
+                          for s, keys in self._pending.get(owner, {}).items() for key in keys)
+            return pins, pending
+
+    @staticmethod
+    def _take_steps(by_owner: dict[int, dict[int, list[bytes]]], owner: int,
+                    step: int) -> list[tuple[int, list[bytes]]]:
+        """Remove and return ``owner``'s steps up to ``step`` from ``by_owner``."""
+        steps = by_owner.get(owner)
+        if steps is None:
+            return []
+        taken = [(s, steps.pop(s)) for s in [s for s in steps if s <= step]]
+        if not steps:
+            del by_owner[owner]
+        return taken
+
+    def _own_pending(self, key: bytes, owner: int, step: int) -> _Entry | None:
+        """The PENDING entry of ``key`` if ``owner`` created it in ``step``."""
+        e = self._entries.get(key)
+        if e is None or e.state is not EntryState.PENDING or e.step != step or e.owner != owner:
+            return None
+        return e
+
+    def _drop_pending(self, owner: int, step: int, keys: list[bytes]) -> int:
+        n = 0
+        for key in keys:
+            e = self._own_pending(key, owner, step)
+            if e is not None:
+                self._drop(key, e)
+                n += 1
+        return n
+
+    def _unpin(self, keys: list[bytes]) -> None:
+        for key in keys:
+            e = self._entries.get(key)
+            if e is not None:
+                e.pins -= 1
+                if e.doomed and e.pins == 0 and e.state is EntryState.READY and not e.demoting:
+                    self._drop(key, e)
 
     def discard(self, keys: Iterable[bytes]) -> int:
         """Drop the DRAM copies of ``keys`` (a reader found them corrupt).
@@ -482,11 +592,12 @@ class TieredStore:
                     self._drop(key, e)
                 else:
                     e.doomed = True
+                    self.tier.publish(e.slot, False)
                     self._sync_dirty(key, e)
         return n
 
-    def doom_pending(self, after_step: int) -> int:
-        """Make every PENDING entry of the steps after ``after_step`` unreadable.
+    def doom_pending(self, after_step: int, *, owner: int = 0) -> int:
+        """Make every PENDING entry of ``owner``'s steps after ``after_step`` unreadable.
 
         When a load failed in ``after_step``, the steps already planned
         after it (asynchronous scheduling) may have computed blocks from the
@@ -494,12 +605,12 @@ class TieredStore:
         """
         n = 0
         with self._lock:
-            for s, keys in self._pending_by_step.items():
+            for s, keys in self._pending.get(owner, {}).items():
                 if s <= after_step:
                     continue
                 for key in keys:
-                    e = self._entries.get(key)
-                    if e is not None and e.state is EntryState.PENDING and e.step == s and not e.doomed:
+                    e = self._own_pending(key, owner, s)
+                    if e is not None and not e.doomed:
                         e.doomed = True
                         n += 1
         return n
@@ -527,6 +638,7 @@ class TieredStore:
                     self._drop(key, e)
                 else:
                     e.doomed = True
+                    self.tier.publish(e.slot, False)
                     self._sync_dirty(key, e)
             # SSD copies pinned by a promotion go when it ends (_promote);
             # those being written are not in the index yet (_demote).
@@ -535,41 +647,13 @@ class TieredStore:
             self._ssd_entries.remove_many(ssd_slots, free=False)
             self._ssd_copies_dropped(ssd_slots)
             if ssd_slots.size:
-                self._submit(self._invalidate, ssd_slots)
+                self._mover.invalidate(ssd_slots)
         return n + int(ssd_slots.size)
-
-    def _invalidate(self, slots: Sequence[int] | np.ndarray) -> None:
-        """Empty the headers of SSD ``slots`` (global numbers, no longer in the
-        index) on disk, then free the slots. Runs on an I/O thread."""
-        assert self.ssd is not None
-        slots = np.asarray(slots, dtype=np.int64)
-        try:
-            self.ssd.invalidate(slots)
-            dirty = False
-        except TierIOError as err:
-            log.warning("kvtier: clearing SSD headers failed (%s); the slots are rewritten before reuse", err)
-            dirty = True
-        with self._lock:
-            self._ssd_entries.release(slots, dirty)
 
     # --- DRAM room --------------------------------------------------------
 
     def _effective_used(self) -> int:
         return len(self._entries) - self._freeing
-
-    def _demote_room(self, ahead: bool) -> int:
-        """How many blocks may start their SSD write now; ``ahead``: for
-        cleaning, which backs off after a failure. An eviction still tries
-        the one copy of each block it evicts (the block leaves DRAM either
-        way, so it is never retried), one batch at a time after a failure."""
-        if self._writes_off or (ahead and self._steps_done < self._demote_resume):
-            return 0
-        if self._demote_fails:
-            # After a failed batch, one batch at a time until a write
-            # succeeds: a failing disk gets one batch per back-off, not a
-            # queue's worth.
-            return min(self._demote_limit, _IO_BATCH) if self._demoting == 0 else 0
-        return max(0, self._demote_limit - self._demoting)
 
     def _sync_dirty(self, key: bytes, e: _Entry) -> None:
         """Keep ``key`` in the dirty order exactly while cleaning may copy it."""
@@ -586,7 +670,7 @@ class TieredStore:
     def _clean_locked(self) -> None:
         if self.ssd is None or len(self._entries) <= self._clean_mark:
             return
-        room = self._demote_room(ahead=True)
+        room = self._mover.room(ahead=True)
         # Only dirty blocks are walked, coldest first, and only until the
         # queue is full: the cost is the queue's room (plus pinned blocks
         # passed over), not the number of blocks held (issue 7, item 10).
@@ -599,14 +683,10 @@ class TieredStore:
                 continue  # being read: copied once its readers are done
             e.demoting = True
             self._dirty.remove(key)
-            self._demoting += 1
             room -= 1
             batch.append(key)
-            if len(batch) == _IO_BATCH:
-                self._submit(self._demote, batch)
-                batch = []
         if batch:
-            self._submit(self._demote, batch)
+            self._mover.demote(batch)
 
     def _make_room_locked(self, n_new: int) -> None:
         if self._effective_used() + n_new > self._high:
@@ -618,7 +698,7 @@ class TieredStore:
         # PROMOTING, being freed), not at the whole pool.
         freed = demoted = lost = 0
         batch: list[bytes] = []
-        room = self._demote_room(ahead=False) if self.ssd is not None else 0
+        room = self._mover.room(ahead=False) if self.ssd is not None else 0
         if self.ssd is not None and (len(self._entries) >= self._watermark or room == 0):
             # Freeing fast: among the colder half of DRAM, blocks whose SSD
             # copy is already written go first, before any block is freed
@@ -663,15 +743,11 @@ class TieredStore:
                 e.demoting = e.evict_after = True
                 self._dirty.remove(key)
                 room -= 1
-                self._demoting += 1
                 self._freeing += 1
                 batch.append(key)
                 demoted += 1
-                if len(batch) == _IO_BATCH:
-                    self._submit(self._demote, batch)
-                    batch = []
         if batch:
-            self._submit(self._demote, batch)
+            self._mover.demote(batch)
         self._c.evictions += freed + lost + demoted
         self._c.evicted_without_copy += lost
         if freed + lost + demoted:
@@ -745,139 +821,61 @@ class TieredStore:
                     e.on_ssd = False
                     self._sync_dirty(key, e)
 
-    # --- I/O jobs (run on the I/O threads) ----------------------------------
+    # --- moves ending (TierMover's jobs, under the lock) ----------------------
 
-    def _submit(self, fn, arg) -> None:
-        assert self._io is not None
-        fut = self._io.submit(fn, arg)
-        self._inflight.add(fut)
-        fut.add_done_callback(self._job_done)
+    def _begin_demotion_locked(self, keys: list[bytes]) -> list[tuple[bytes, int, int, bool]]:
+        """SSD slots for the demoting ``keys``: (key, DRAM slot, SSD slot, may
+        hold an older header) for each to write, marked being written; a key
+        that gets none (doomed, or no room) ends its demotion here."""
+        begun = []
+        for key in keys:
+            e = self._entries[key]
+            if e.doomed:  # reset (or found bad) since it was queued: nothing to write
+                self._finish_demotion_locked(key, ok=False, count=False)
+                continue
+            got = self._take_ssd_locked()
+            old = self._ssd_entries.get(key)
+            if got is None or (old is not None and not old.ready):
+                if got is not None:
+                    self._ssd_entries.release([got[0]], dirty=got[1])
+                self._finish_demotion_locked(key, ok=False)
+                continue
+            ssd_slot, reused = got
+            # WRITING: held, not readable. An older copy elsewhere is
+            # replaced; its slot is freed (dirty: its header names the key).
+            self._ssd_entries.begin_write(key, ssd_slot)
+            begun.append((key, e.slot, ssd_slot, reused))
+        return begun
 
-    def _job_done(self, fut: Future) -> None:
-        with self._lock:
-            self._inflight.discard(fut)
-            self._idle.notify_all()
-        if fut.exception() is not None:
-            log.error("kvtier: I/O job failed", exc_info=fut.exception())
-
-    def wait_progress(self, timeout_s: float) -> None:
-        """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL."""
-        with self._idle:
-            if self._inflight:
-                self._idle.wait(timeout_s)
-
-    def wait_idle(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no demotion or promotion is in flight (tests, shutdown, benchmarks)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._inflight, timeout_s)
-
-    def _demote(self, keys: list[bytes]) -> None:
-        assert self.ssd is not None
-        plan: list[tuple[bytes, int, SsdLocation, BlockRecord, bool]] = []
-        dram_sums: dict[bytes, tuple[int, ...]] = {}  # DRAM header checksums, checked before the copy
-        with self._lock:
-            for key in keys:
-                e = self._entries[key]
-                if e.doomed:  # reset (or found bad) since it was queued: nothing to write
-                    self._finish_demotion_locked(key, ok=False, count=False)
-                    continue
-                got = self._take_ssd_locked()
-                old = self._ssd_entries.get(key)
-                if got is None or (old is not None and not old.ready):
-                    if got is not None:
-                        self._ssd_entries.release([got[0]], dirty=got[1])
-                    self._finish_demotion_locked(key, ok=False)
-                    continue
-                ssd_slot, reused = got
-                loc = self.ssd.location(ssd_slot)
-                rec = BlockRecord(key, self.ssd.next_seq(), 0)
-                dram_sums[key] = self.tier.header(e.slot).checksums
-                # WRITING: held, not readable. An older copy elsewhere is
-                # replaced; its slot is freed (dirty: its header names the key).
-                self._ssd_entries.begin_write(key, ssd_slot)
-                plan.append((key, e.slot, loc, rec, reused))
-        if not plan:
-            return
-        items = []
-        good = []
-        bad: set[bytes] = set()
-        ok = False
-        try:
-            for key, slot, loc, rec, _ in plan:
-                # Only what still matches its DRAM checksums goes to SSD: the SSD
-                # checksum is computed here, so a block that went bad in DRAM
-                # would otherwise be stored as a "valid" block.
-                if not self._dram_intact(slot, key, dram_sums[key]):
-                    bad.add(key)
-                    continue
-                data = self.tier.slot_buffer(slot)
-                items.append((loc, replace(rec, checksum=xxhash.xxh3_64_intdigest(data)), data))
-                good.append(loc)
-            self.ssd.write(items, [loc for _, _, loc, _, reused in plan if reused and loc in good])
-            ok = True
-        except TierIOError as err:
-            log.warning("kvtier: demoting %d blocks to SSD failed (%s); they are dropped", len(plan), err)
-        except Exception:  # noqa: BLE001 - never leave entries demoting forever
-            log.exception("kvtier: demoting %d blocks failed", len(plan))
-        written = {loc: rec for loc, rec, _ in items} if ok else {}
-        refused: list[int] = []  # global SSD slot numbers
-        with self._lock:
-            for key, _, loc, _, _ in plan:
-                rec = written.get(loc)
-                stale = rec is not None and self._entries[key].doomed
-                if stale:
-                    # Doomed while written (a reset, or a reader found it bad):
-                    # the copy must never be found, now or after a restart, so
-                    # it is not published and its header is emptied before the
-                    # slot is freed (_invalidate, below).
-                    self._ssd_entries.remove_slot(self.ssd.slot_number(loc), free=False)
-                    refused.append(self.ssd.slot_number(loc))
-                    rec = None
-                elif rec is not None:
-                    self._ssd_entries.publish(self.ssd.slot_number(loc), rec.checksum, rec.seq)
-                else:
-                    # Freed dirty: a header may have reached the disk.
-                    self._ssd_entries.remove_slot(self.ssd.slot_number(loc))
-                if key in bad:
-                    self._c.corrupt_dram += 1
-                    self._entries[key].doomed = True
-                self._finish_demotion_locked(key, rec is not None, count=not stale)
-            if items:
-                self._note_write_locked(ok)
-        if refused:
-            self._invalidate(refused)  # on this I/O thread: the pool may be shutting down
-
-    def _note_write_locked(self, ok: bool) -> None:
-        """Back off SSD writes after a failed batch; give up after DEMOTE_GIVE_UP in a row."""
-        if ok:
-            self._demote_fails = 0
-            return
-        if self._writes_off or self._steps_done < self._demote_resume:
-            return  # started before the back-off began: the same outage, counted once
-        self._demote_fails += 1
-        if self._demote_fails >= DEMOTE_GIVE_UP:
-            self._writes_off = True
-            self._c.ssd_write_give_ups += 1
-            log.error("kvtier: %d SSD write batches failed in a row; no more blocks are written to SSD "
-                      "(blocks already there are still read); restart kvtier once the disk is fixed",
-                      self._demote_fails)
+    def _end_demotion_locked(self, key: bytes, ssd_slot: int, rec: BlockRecord | None, bad: bool) -> bool:
+        """The write of ``key`` to ``ssd_slot`` ended, ``rec`` written (None:
+        failed); ``bad``: its DRAM copy failed its checksums. True when the
+        copy is refused: its header is to be emptied before the slot is freed."""
+        e = self._entries[key]
+        stale = rec is not None and e.doomed
+        if stale:
+            # Doomed while written (a reset, or a reader found it bad): the
+            # copy must never be found, now or after a restart, so it is not
+            # published and its header is emptied before the slot is freed.
+            self._ssd_entries.remove_slot(ssd_slot, free=False)
+            rec = None
+        elif rec is not None:
+            self._ssd_entries.publish(ssd_slot, rec.checksum, rec.seq)
         else:
-            # Counted in completed steps: a dead disk costs one batch per
-            # back-off, and tests need no clock.
-            self._demote_resume = self._steps_done + 2 ** self._demote_fails
-
-    def _dram_intact(self, slot: int, key: bytes, checksums: tuple[int, ...]) -> bool:
-        hdr = self.tier.header(slot)
-        if hdr.key != key or hdr.ready_mask != (1 << self.tier.ranks) - 1:
-            return False
-        return all(checksum(self.tier.rank_view(slot, r)) == checksums[r] for r in range(self.tier.ranks))
+            # Freed dirty: a header may have reached the disk.
+            self._ssd_entries.remove_slot(ssd_slot)
+        if bad:
+            self._c.corrupt_dram += 1
+            e.doomed = True
+            self.tier.publish(e.slot, False)
+        self._finish_demotion_locked(key, rec is not None, count=not stale)
+        return stale
 
     def _finish_demotion_locked(self, key: bytes, ok: bool, count: bool = True) -> None:
         """The write of ``key`` ended: ``ok`` if its SSD copy is published;
         ``count``: a failure to count (not a copy refused after a reset)."""
         e = self._entries[key]
         e.demoting = False
-        self._demoting -= 1
         evict, e.evict_after = e.evict_after, False
         if evict:
             self._freeing -= 1
@@ -893,62 +891,46 @@ class TieredStore:
         else:
             self._sync_dirty(key, e)  # a failed copy: cleaning may try again (after any back-off)
 
-    def _promote(self, jobs: list[tuple[bytes, int, SsdLocation, BlockRecord]]) -> None:
-        assert self.ssd is not None
-        results = []
-        for key, slot, loc, rec in jobs:
-            io_error = False
-            try:
-                ok = self.ssd.read(loc, rec, self.tier.slot_buffer(slot))
-                if ok:
-                    # The SSD header keeps one checksum of the whole slot: the
-                    # per-rank DRAM checksums are computed again from the bytes
-                    # just verified against it, and every rank is sealed.
-                    ranks = self.tier.ranks
-                    self.tier.seal_all(slot, key, (1 << ranks) - 1,
-                                       tuple(checksum(self.tier.rank_view(slot, r)) for r in range(ranks)))
-            except TierIOError as err:
-                log.warning("kvtier: reading a block from SSD failed: %s", err)
-                ok, io_error = False, True
-            except Exception:  # noqa: BLE001 - never leave entries PROMOTING forever
-                log.exception("kvtier: promoting a block failed")
-                ok, io_error = False, True
-            results.append((key, ok, io_error))
-        refused: list[int] = []  # global SSD slot numbers
-        with self._lock:
-            for key, ok, io_error in results:
-                s = self._ssd_entries.get(key)
-                if s is not None:
-                    s.pins -= 1
-                e = self._entries[key]
-                if e.doomed:
-                    # Reset while it was read (only clear() dooms a PROMOTING
-                    # entry): neither copy may be found again. The SSD copy,
-                    # which the read kept from clear(), goes now, its header
-                    # emptied so that a restart does not bring it back.
-                    self._drop(key, e)
-                    if s is not None and s.pins == 0 and s.ready:
-                        self._ssd_entries.remove_slot(s.slot, free=False)
-                        refused.append(s.slot)
-                    continue
-                if ok:
-                    e.state = EntryState.READY
-                    self._c.promotions += 1
-                    continue
-                self._c.promote_failures += 1
-                self._drop(key, e)
-                if s is not None and key in self._ssd_entries:
-                    # A checksum or header mismatch means the SSD copy is bad; a
-                    # read error means it cannot be had. Either way it is
-                    # forgotten, or every later request would promote it again
-                    # and wait on the same failure.
-                    if io_error:
-                        self._c.ssd_read_errors += 1
-                    else:
-                        self._c.ssd_corrupt += 1
-                    self._drop_ssd(key)
-        if refused:
-            self._invalidate(refused)
+    def _end_promotion_locked(self, key: bytes, ok: bool, io_error: bool) -> int | None:
+        """The read of ``key`` into its DRAM slot ended (``ok``: verified and
+        sealed). Returns an SSD slot whose header is to be emptied before it
+        is freed, or None."""
+        s = self._ssd_entries.get(key)
+        if s is not None:
+            s.pins -= 1
+        e = self._entries[key]
+        if e.doomed:
+            # Reset while it was read (only clear() dooms a PROMOTING entry):
+            # neither copy may be found again. The SSD copy, which the read
+            # kept from clear(), goes now, its header emptied so that a
+            # restart does not bring it back.
+            self._drop(key, e)
+            if s is not None and s.pins == 0 and s.ready:
+                self._ssd_entries.remove_slot(s.slot, free=False)
+                return s.slot
+            return None
+        if ok:
+            e.state = EntryState.READY
+            self.tier.publish(e.slot)
+            self._c.promotions += 1
+            return None
+        self._c.promote_failures += 1
+        self._drop(key, e)
+        if s is not None and key in self._ssd_entries:
+            # A checksum or header mismatch means the SSD copy is bad; a read
+            # error means it cannot be had. Either way it is forgotten, or
+            # every later request would promote it again and wait on the
+            # same failure.
+            if io_error:
+                self._c.ssd_read_errors += 1
+            else:
+                self._c.ssd_corrupt += 1
+            self._drop_ssd(key)
+        return None
+
+    def _release_ssd_locked(self, slots: np.ndarray, dirty: bool) -> None:
+        """SSD ``slots``, forgotten, have empty headers on disk (unless ``dirty``): free them."""
+        self._ssd_entries.release(slots, dirty)
 
     # --- statistics -------------------------------------------------------
 

@@ -67,7 +67,8 @@ MAX_RANKS = 8
 # shared mask lost ranks' bits (a race reproduced with two processes sealing
 # 4,096 slots; tests/unit/test_dram.py pins it). Each rank writes only its byte.
 _HEADER = np.dtype(
-    [("key", "V16"), ("ready", "u1", (MAX_RANKS,)), ("checksum", "<u8", (MAX_RANKS,)), ("pad", "V40")]
+    [("key", "V16"), ("ready", "u1", (MAX_RANKS,)), ("checksum", "<u8", (MAX_RANKS,)), ("published", "u1"),
+     ("pad", "V39")]
 )
 assert _HEADER.itemsize == 128
 
@@ -289,23 +290,63 @@ class DramTier:
         raise OSError(f"{path} was removed three times while being created")
 
     @classmethod
+    def adopt(cls, path: str) -> DramTier | None:
+        """Become the owner of an arena whose owner is gone (a restarted
+        meta service): take its lock, map it. None when another process
+        still owns it (the lock is held) or the file is not an arena."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not os.path.samestat(os.fstat(fd), os.lstat(path)):
+                raise OSError("replaced")
+            tier = cls._map_existing(path, fd, owner=True)
+        except (OSError, ValueError, struct.error):
+            os.close(fd)
+            return None
+        return tier
+
+    def sealed_blocks(self) -> list[tuple[bytes, int]]:
+        """(key, slot) of every slot the index had published, sealed by all
+        ranks, whose bytes match their checksums: what an adopted arena
+        still holds intact."""
+        out = []
+        empty = bytes(16)
+        for slot in range(self.num_slots):
+            h = self._headers[slot]
+            key = bytes(h["key"])
+            if key == empty or not h["published"] or not h["ready"][: self.ranks].all():
+                continue
+            if all(checksum(self.rank_view(slot, r)) == int(h["checksum"][r]) for r in range(self.ranks)):
+                out.append((key, slot))
+        return out
+
+    @classmethod
+    def _map_existing(cls, path: str, fd: int, owner: bool) -> DramTier:
+        raw = os.pread(fd, _SUPER.size, 0)
+        magic, version, ranks, num_slots, rank_bytes, slot_stride, data_off, _ = _SUPER.unpack(raw)
+        if magic != _MAGIC or version != 1:
+            raise ValueError(f"{path} is not a kvtier DRAM arena")
+        page = page_size_of(os.path.dirname(os.path.abspath(path)))
+        size = _round_up(data_off + num_slots * slot_stride, page)
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"{path} is shorter than its superblock says")
+        mm = _map(fd, size)
+        return cls(path, fd, mm, ranks, num_slots, rank_bytes, slot_stride, data_off, owner=owner)
+
+    @classmethod
     def attach(cls, path: str) -> DramTier:
         """Map an existing arena (a worker). Takes no lock: the owner's lock
         alone says the arena is alive, and a worker that outlives its owner
         keeps its mapping even after a cleanup removed the path."""
         fd = os.open(path, os.O_RDWR)
         try:
-            raw = os.pread(fd, _SUPER.size, 0)
-            magic, version, ranks, num_slots, rank_bytes, slot_stride, data_off, _ = _SUPER.unpack(raw)
-            if magic != _MAGIC or version != 1:
-                raise ValueError(f"{path} is not a kvtier DRAM arena")
-            page = page_size_of(os.path.dirname(os.path.abspath(path)))
-            size = _round_up(data_off + num_slots * slot_stride, page)
-            mm = _map(fd, size)
+            return cls._map_existing(path, fd, owner=False)
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, fd, mm, ranks, num_slots, rank_bytes, slot_stride, data_off, owner=False)
 
     def close(self) -> None:
         """Drop this tier's mapping; the owner also removes the file.
@@ -362,8 +403,19 @@ class DramTier:
     def clear(self, slot: int, key: bytes = bytes(16)) -> None:
         """Mark ``slot`` as holding nothing readable (index owner only)."""
         h = self._headers[slot]
+        h["published"] = 0
         h["ready"][:] = 0
         h["key"] = np.void(key)
+
+    def publish(self, slot: int, published: bool = True) -> None:
+        """Record that the index made ``slot`` readable (index owner only).
+
+        Only an arena adopted after its owner died reads this: a slot every
+        rank sealed but the index never published (a save whose step had
+        not completed, or one it doomed: computed from KV that failed its
+        check, or from weights since replaced) is not adopted.
+        """
+        self._headers[slot]["published"] = 1 if published else 0
 
     def seal(self, slot: int, key: bytes, rank: int, digest: int) -> None:
         """Publish rank ``rank``'s part of ``slot`` as written, after its data."""

@@ -1,0 +1,299 @@
+"""TierMover: the I/O that moves blocks between a store's DRAM arena and its SSD tier.
+
+:class:`~kvtier.store.TieredStore` decides what is held and what moves (its
+index, slots, pins, watermarks, evictions); its mover carries the moves out
+on a pool of I/O threads and owns everything about them:
+
+- demotion (DRAM -> SSD): blocks the store hands over are written in batches
+  of ``IO_BATCH`` (one round of fdatasyncs each), each block checked against
+  its DRAM checksums first. ``demote_queue_blocks`` bounds how many are
+  being written at once (:meth:`TierMover.room`).
+- the write back-off: a failed batch stops cleaning (writes ahead of need)
+  for 2, 4, 8, ... completed steps, then allows one batch at a time until a
+  write succeeds; after ``DEMOTE_GIVE_UP`` failed batches in a row no block
+  is written to SSD again (reads go on). The clock is the store's completed
+  steps (:meth:`TierMover.step_done`), not wall time.
+- promotion ("rewarm", SSD -> DRAM): reads in batches of ``PROMOTE_BATCH``,
+  verified against the SSD checksum, the DRAM slot header sealed again.
+- header invalidation: SSD slots the store forgot get empty headers on disk
+  before they are free, so a restart does not bring their blocks back.
+- the jobs in flight: :meth:`TierMover.wait_progress`,
+  :meth:`TierMover.wait_idle` and :meth:`TierMover.close`.
+
+The mover shares the store's lock. The store calls it under that lock; its
+jobs do their I/O outside it and take it to tell the store how a move ended,
+through the few methods of :class:`MoverHost`: the store changes its index,
+the mover only its own counts and back-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import TierIOError
+from kvtier.tier import DramTier
+from kvtier.tier.dram import checksum
+from kvtier.tier.ssd import BlockRecord, SsdLocation, SsdTier
+
+if TYPE_CHECKING:
+    from kvtier.store import EventCounts
+
+log = logging.getLogger(__name__)
+
+IO_BATCH = 16  # blocks per demotion job: one round of fdatasyncs per batch
+PROMOTE_BATCH = 4  # blocks per promotion job: small, so all I/O threads share a prefix's reads
+# Failed demotion batches in a row after which SSD writes stop for good. With
+# the back-off doubling from 2 steps, the last try comes 2+4+8+16+32 = 62
+# completed steps after the first failure: a transient error (a full disk
+# being cleaned up) has time to pass, a dead disk is not written forever.
+DEMOTE_GIVE_UP = 6
+
+# A promotion: the key, the DRAM slot it is read into, and its SSD copy.
+PromoteJob = tuple[bytes, int, SsdLocation, BlockRecord]
+
+
+class MoverHost(Protocol):
+    """What a mover's jobs ask of the store, each under the store's lock."""
+
+    def _begin_demotion_locked(self, keys: list[bytes]) -> list[tuple[bytes, int, int, bool]]:
+        """Give each of ``keys`` (marked demoting) an SSD slot and mark it
+        being written; a key that gets none ends its demotion here. Returns
+        (key, DRAM slot, SSD slot, whether the SSD slot may hold an older
+        header) for the blocks to write."""
+        ...
+
+    def _end_demotion_locked(self, key: bytes, ssd_slot: int, rec: BlockRecord | None, bad: bool) -> bool:
+        """The write of ``key`` into ``ssd_slot`` ended: ``rec``, what was
+        written, or None if nothing was; ``bad``: its DRAM copy failed its
+        checksums. True when the copy is refused (the entry was doomed
+        meanwhile): its header must be emptied, then the slot freed."""
+        ...
+
+    def _end_promotion_locked(self, key: bytes, ok: bool, io_error: bool) -> int | None:
+        """The read of ``key`` into DRAM ended; returns an SSD slot whose
+        header must be emptied, then the slot freed, or None."""
+        ...
+
+    def _release_ssd_locked(self, slots: np.ndarray, dirty: bool) -> None:
+        """Free SSD ``slots`` (no longer in the index); ``dirty``: a header may still name a block."""
+        ...
+
+
+class TierMover:
+    """The I/O threads of one store and the moves running on them."""
+
+    def __init__(self, host: MoverHost, lock: threading.RLock, counts: EventCounts, tier: DramTier,
+                 ssd: SsdTier | None, *, io_threads: int = 4, demote_queue_blocks: int = 256) -> None:
+        self._host = host
+        self._lock = lock
+        self._c = counts
+        self._tier = tier
+        self._ssd = ssd
+        self._limit = demote_queue_blocks
+        self.demoting = 0  # blocks handed to demote() whose write has not ended
+        # Back-off of SSD writes, counted in completed steps (step_done
+        # calls), not wall time: after a failed batch cleaning starts no
+        # write before step ``_resume``; ``_fails`` failed in a row.
+        self._steps_done = 0
+        self._fails = 0
+        self._resume = 0
+        self._writes_off = False  # gave up on SSD writes
+        self._inflight: set[Future] = set()
+        self._idle = threading.Condition(lock)
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-io") if ssd is not None else None
+
+    def close(self) -> None:
+        """Finish the I/O in flight, then stop the I/O threads."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+
+    # --- called by the store, under its lock ----------------------------------
+
+    def step_done(self) -> None:
+        """One step completed: the clock of the write back-off."""
+        self._steps_done += 1
+
+    def room(self, ahead: bool) -> int:
+        """How many blocks may start their SSD write now; ``ahead``: for
+        cleaning, which backs off after a failure. An eviction still tries
+        the one copy of each block it evicts (the block leaves DRAM either
+        way, so it is never retried), one batch at a time after a failure."""
+        if self._writes_off or (ahead and self._steps_done < self._resume):
+            return 0
+        if self._fails:
+            # After a failed batch, one batch at a time until a write
+            # succeeds: a failing disk gets one batch per back-off, not a
+            # queue's worth.
+            return min(self._limit, IO_BATCH) if self.demoting == 0 else 0
+        return max(0, self._limit - self.demoting)
+
+    def demote(self, keys: list[bytes]) -> None:
+        """Write ``keys`` (marked demoting by the store) to SSD, ``IO_BATCH`` per job."""
+        self.demoting += len(keys)
+        for i in range(0, len(keys), IO_BATCH):
+            self._submit(self._demote, keys[i : i + IO_BATCH])
+
+    def promote(self, jobs: list[PromoteJob]) -> None:
+        """Read the blocks of ``jobs`` (PROMOTING entries) into their DRAM
+        slots, ``PROMOTE_BATCH`` per job."""
+        for i in range(0, len(jobs), PROMOTE_BATCH):
+            self._submit(self._promote, jobs[i : i + PROMOTE_BATCH])
+
+    def invalidate(self, slots: np.ndarray) -> None:
+        """Empty the headers of SSD ``slots`` on an I/O thread, then free them."""
+        self._submit(self._invalidate, slots)
+
+    # --- jobs in flight --------------------------------------------------------
+
+    def _submit(self, fn, arg) -> None:
+        assert self._io is not None
+        fut = self._io.submit(fn, arg)
+        self._inflight.add(fut)
+        fut.add_done_callback(self._job_done)
+
+    def _job_done(self, fut: Future) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+            self._idle.notify_all()
+        if fut.exception() is not None:
+            log.error("kvtier: I/O job failed", exc_info=fut.exception())
+
+    def wait_progress(self, timeout_s: float) -> None:
+        """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL."""
+        with self._idle:
+            if self._inflight:
+                self._idle.wait(timeout_s)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no I/O job is in flight."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._inflight, timeout_s)
+
+    # --- jobs (run on the I/O threads) -----------------------------------------
+
+    def _demote(self, keys: list[bytes]) -> None:
+        ssd, tier = self._ssd, self._tier
+        assert ssd is not None
+        plan: list[tuple[bytes, int, SsdLocation, BlockRecord, bool]] = []
+        dram_sums: dict[bytes, tuple[int, ...]] = {}  # DRAM header checksums, checked before the copy
+        with self._lock:
+            begun = self._host._begin_demotion_locked(keys)
+            self.demoting -= len(keys) - len(begun)
+            for key, slot, ssd_slot, reused in begun:
+                plan.append((key, slot, ssd.location(ssd_slot), BlockRecord(key, ssd.next_seq(), 0), reused))
+                dram_sums[key] = tier.header(slot).checksums
+        if not plan:
+            return
+        items = []
+        good = []
+        bad: set[bytes] = set()
+        ok = False
+        try:
+            for key, slot, loc, rec, _ in plan:
+                # Only what still matches its DRAM checksums goes to SSD: the SSD
+                # checksum is computed here, so a block that went bad in DRAM
+                # would otherwise be stored as a "valid" block.
+                if not self._dram_intact(slot, key, dram_sums[key]):
+                    bad.add(key)
+                    continue
+                data = tier.slot_buffer(slot)
+                items.append((loc, replace(rec, checksum=xxhash.xxh3_64_intdigest(data)), data))
+                good.append(loc)
+            ssd.write(items, [loc for _, _, loc, _, reused in plan if reused and loc in good])
+            ok = True
+        except TierIOError as err:
+            log.warning("kvtier: demoting %d blocks to SSD failed (%s); they are dropped", len(plan), err)
+        except Exception:  # noqa: BLE001 - never leave entries demoting forever
+            log.exception("kvtier: demoting %d blocks failed", len(plan))
+        written = {loc: rec for loc, rec, _ in items} if ok else {}
+        refused: list[int] = []  # global SSD slot numbers
+        with self._lock:
+            for key, _, loc, _, _ in plan:
+                ssd_slot = ssd.slot_number(loc)
+                if self._host._end_demotion_locked(key, ssd_slot, written.get(loc), key in bad):
+                    refused.append(ssd_slot)
+            self.demoting -= len(plan)
+            if items:
+                self._note_write_locked(ok)
+        if refused:
+            self._invalidate(refused)  # on this I/O thread: the pool may be shutting down
+
+    def _note_write_locked(self, ok: bool) -> None:
+        """Back off SSD writes after a failed batch; give up after DEMOTE_GIVE_UP in a row."""
+        if ok:
+            self._fails = 0
+            return
+        if self._writes_off or self._steps_done < self._resume:
+            return  # started before the back-off began: the same outage, counted once
+        self._fails += 1
+        if self._fails >= DEMOTE_GIVE_UP:
+            self._writes_off = True
+            self._c.ssd_write_give_ups += 1
+            log.error("kvtier: %d SSD write batches failed in a row; no more blocks are written to SSD "
+                      "(blocks already there are still read); restart kvtier once the disk is fixed",
+                      self._fails)
+        else:
+            # Counted in completed steps: a dead disk costs one batch per
+            # back-off, and tests need no clock.
+            self._resume = self._steps_done + 2 ** self._fails
+
+    def _dram_intact(self, slot: int, key: bytes, checksums: tuple[int, ...]) -> bool:
+        tier = self._tier
+        hdr = tier.header(slot)
+        if hdr.key != key or hdr.ready_mask != (1 << tier.ranks) - 1:
+            return False
+        return all(checksum(tier.rank_view(slot, r)) == checksums[r] for r in range(tier.ranks))
+
+    def _promote(self, jobs: list[PromoteJob]) -> None:
+        ssd, tier = self._ssd, self._tier
+        assert ssd is not None
+        results = []
+        for key, slot, loc, rec in jobs:
+            io_error = False
+            try:
+                ok = ssd.read(loc, rec, tier.slot_buffer(slot))
+                if ok:
+                    # The SSD header keeps one checksum of the whole slot: the
+                    # per-rank DRAM checksums are computed again from the bytes
+                    # just verified against it, and every rank is sealed.
+                    ranks = tier.ranks
+                    tier.seal_all(slot, key, (1 << ranks) - 1,
+                                  tuple(checksum(tier.rank_view(slot, r)) for r in range(ranks)))
+            except TierIOError as err:
+                log.warning("kvtier: reading a block from SSD failed: %s", err)
+                ok, io_error = False, True
+            except Exception:  # noqa: BLE001 - never leave entries PROMOTING forever
+                log.exception("kvtier: promoting a block failed")
+                ok, io_error = False, True
+            results.append((key, ok, io_error))
+        refused: list[int] = []  # global SSD slot numbers
+        with self._lock:
+            for key, ok, io_error in results:
+                slot = self._host._end_promotion_locked(key, ok, io_error)
+                if slot is not None:
+                    refused.append(slot)
+        if refused:
+            self._invalidate(refused)
+
+    def _invalidate(self, slots: Sequence[int] | np.ndarray) -> None:
+        """Empty the headers of SSD ``slots`` (global numbers, no longer in the
+        index) on disk, then free the slots. Runs on an I/O thread."""
+        assert self._ssd is not None
+        slots = np.asarray(slots, dtype=np.int64)
+        try:
+            self._ssd.invalidate(slots)
+            dirty = False
+        except TierIOError as err:
+            log.warning("kvtier: clearing SSD headers failed (%s); the slots are rewritten before reuse", err)
+            dirty = True
+        with self._lock:
+            self._host._release_ssd_locked(slots, dirty)
