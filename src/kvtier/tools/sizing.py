@@ -10,7 +10,8 @@ size: N tokens" for the instance). From there:
 * memory per device for a workload = concurrency x mean request length x
   1.5 x KV bytes per token per device (1.5: headroom above the eviction
   watermark);
-* host memory for the pool = devices x (DRAM tier + SSD staging memory);
+* host memory for the pool = devices x (DRAM tier + SSD staging memory),
+  from flags or from the pool's config files (:func:`pool_totals`);
 * huge pages for a size, in units of /proc/meminfo's Hugepagesize.
 """
 
@@ -23,6 +24,7 @@ import re
 from dataclasses import dataclass
 
 from kvtier.errors import ConfigError
+from kvtier.pool.config import PoolConfig
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "float8": 1,
                 "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
@@ -144,3 +146,35 @@ def hugepage_size_bytes(meminfo: str = "/proc/meminfo") -> int:
 
 def hugepages_for(size_bytes: int, page_bytes: int, buffer_bytes: int = 0) -> int:
     return math.ceil((size_bytes + buffer_bytes) / page_bytes)
+
+
+@dataclass(frozen=True)
+class PoolTotals:
+    """A node's memory for the pool, per the seeds' formula: devices x (dram.size + ubsio.mem.size_in_gb)."""
+
+    devices: int
+    dram_per_device_bytes: int
+    staging_per_device_bytes: int  # UBS-IO's pool in MemCache; kvtier allocates none (0 without SSD)
+    dram_bytes: int  # the node's DRAM arena
+    staging_bytes: int
+    host_bytes: int
+    ssd_paths: tuple[str, ...]
+    sources: tuple[str, ...]
+
+
+def pool_totals(cfg: PoolConfig) -> PoolTotals:
+    staging = cfg.staging_size_per_device  # 0 unless the SSD tier is on
+    return PoolTotals(cfg.devices, cfg.dram_size_per_device, staging, cfg.dram_bytes, cfg.devices * staging,
+                      host_memory_bytes(cfg.devices, cfg.dram_size_per_device, staging), cfg.ssd_paths,
+                      cfg.sources)
+
+
+def format_pool_totals(t: PoolTotals) -> str:
+    gib = 1 << 30
+    where = ", ".join(t.sources) or "defaults"
+    head = (f"pool ({where}): {t.devices} device(s) x ({t.dram_per_device_bytes / gib:.1f} GiB DRAM tier + "
+            f"{t.staging_per_device_bytes / gib:.1f} GiB SSD staging) = {t.host_bytes / gib:.1f} GiB host memory")
+    lines = [head, f"  DRAM arena of the node: {t.dram_bytes / gib:.1f} GiB"]
+    if t.ssd_paths:
+        lines.append(f"  SSD tier: {':'.join(t.ssd_paths)}")
+    return "\n".join(lines)

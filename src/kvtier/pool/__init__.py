@@ -1,0 +1,1 @@
+"""The node pool: one meta service per node, shared by the vLLM instances on it."""
