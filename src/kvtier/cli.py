@@ -18,7 +18,8 @@ def _demo(args: argparse.Namespace) -> int:
     from kvtier.tools.demo import DemoOptions, run_demo
 
     run_demo(DemoOptions(geometry=args.model, docs=args.docs, doc_tokens=args.doc_tokens,
-                         device_blocks=args.device_blocks, dram_size=args.dram_size, log_path=args.server_log))
+                         device_blocks=args.device_blocks, dram_size=args.dram_size, log_path=args.server_log,
+                         backend=args.backend))
     return 0
 
 
@@ -220,6 +221,13 @@ def _size(args: argparse.Namespace) -> int:
     from kvtier.config import parse_size
     from kvtier.tools import sizing
 
+    if args.config is not None:
+        from kvtier.pool.config import load_pool_config
+
+        cfg = load_pool_config(meta_path=args.meta_config, local_path=args.config or None)
+        print(sizing.format_pool_totals(sizing.pool_totals(cfg)))
+        if not (args.model_dir or args.log):
+            return 0
     if bool(args.model_dir) == bool(args.log):
         raise ConfigError("--model-dir/--log", "", "give exactly one of them")
     if args.model_dir:
@@ -252,6 +260,28 @@ def _size(args: argparse.Namespace) -> int:
         print(f"huge pages: {n} of {page >> 10} kB for {host / gib:.1f} GiB + {buffer / gib:.1f} GiB buffer "
               f"(echo {n} > /proc/sys/vm/nr_hugepages)")
     return 0
+
+
+def _meta(args: argparse.Namespace) -> int:
+    from kvtier.pool.main import run
+
+    return run(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvtier.tools.serve import serve
+
+    extra = list(args.vllm_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    return serve(args.model, args.instances, args.log_dir, args.config_dir, extra, first_port=args.port,
+                 host=args.host)
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from kvtier.tools.serve import stop
+
+    return stop(args.log_dir)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -291,7 +321,10 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document")
     d.add_argument("--device-blocks", type=int, default=110, help="vLLM device cache size in blocks of 64")
     d.add_argument("--dram-size", default="1GB", help="kvtier DRAM tier size")
-    d.add_argument("--server-log", default=None, help="where the vLLM server's log goes")
+    d.add_argument("--server-log", default=None,
+                   help="where the vLLM servers' logs go (pool: -A, -B and -meta added to the name)")
+    d.add_argument("--backend", default="pool", choices=["pool", "embedded"],
+                   help="pool: two instances on one meta service (default); embedded: one instance")
     d.set_defaults(func=_demo)
 
     disk = sub.add_parser("disk", help="prepare, check and release SSD tier paths")
@@ -386,7 +419,32 @@ def parser() -> argparse.ArgumentParser:
     sz.add_argument("--dram-size", default=None, help="DRAM tier per device, e.g. 20GB")
     sz.add_argument("--staging-size", default=None, help="SSD staging memory per device, e.g. 10GB")
     sz.add_argument("--hugepage-buffer", default="4GB", help="extra memory to reserve in huge pages")
+    sz.add_argument("--config", nargs="?", const="", default=None,
+                    help="size the node's pool from mmc-local.conf (no value: $MMC_LOCAL_CONFIG_PATH)")
+    sz.add_argument("--meta-config", default=None, help="mmc-meta.conf (default: $MMC_META_CONFIG_PATH)")
     sz.set_defaults(func=_size)
+
+    from kvtier.pool.main import build_parser as meta_parser
+
+    me = sub.add_parser("meta", help="the node's pool: one meta service per node, shared by every vLLM instance")
+    meta_parser(me)
+    me.set_defaults(func=_meta)
+
+    sv = sub.add_parser("serve", help="start the meta service and N vLLM instances wired to it; stop on Ctrl-C")
+    sv.add_argument("--model", required=True, help="what vLLM serves (a path or a model id)")
+    sv.add_argument("--instances", type=int, default=1)
+    sv.add_argument("--config-dir", default=None,
+                    help="folder with mmc-meta.conf and mmc-local.conf (default: $MMC_*_CONFIG_PATH, "
+                         "else loopback defaults)")
+    sv.add_argument("--log-dir", default="kvtier-logs", help="logs and the record of process ids")
+    sv.add_argument("--port", type=int, default=0, help="first instance's port (default: free ports)")
+    sv.add_argument("--host", default="127.0.0.1", help="address the instances bind")
+    sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: arguments for every vLLM instance")
+    sv.set_defaults(func=_serve)
+
+    so = sub.add_parser("stop", help="stop what kvtier serve started (by its recorded process ids)")
+    so.add_argument("--log-dir", default="kvtier-logs")
+    so.set_defaults(func=_stop)
 
     st = sub.add_parser("stats", help="live hit rates, tier usage and evictions of a running server")
     st.add_argument("--url", default="http://127.0.0.1:8000")

@@ -69,9 +69,18 @@ def parse_bool(key: str, value: object, source: str = "") -> bool:
 
 
 class Backend(enum.Enum):
-    """Where the pool lives. ``embedded``: inside the vLLM instance's processes."""
+    """Where the pool lives. ``embedded``: inside the vLLM instance's
+    processes. ``pool``: the node's meta service (``kvtier meta``), shared by
+    every instance on the node; ``memcache`` is the same, under the name the
+    seeds' transfer config uses."""
 
     EMBEDDED = "embedded"
+    POOL = "pool"
+    MEMCACHE = "memcache"
+
+    @property
+    def shared(self) -> bool:
+        return self is not Backend.EMBEDDED
 
 
 def parse_enum(enum_cls: type[enum.Enum]) -> Callable[[str, object, str], enum.Enum]:
@@ -126,6 +135,24 @@ def parse_path(key: str, value: object, source: str = "") -> str:
     return value.strip()
 
 
+def parse_url_value(key: str, value: object, source: str = "") -> str:
+    """``tcp://HOST:PORT`` or ``unix:///PATH``."""
+    text = str(value).strip() if isinstance(value, str) else ""
+    if text.startswith("unix:///"):
+        return text
+    if text.startswith("tcp://"):
+        host, sep, port = text[len("tcp://"):].rpartition(":")
+        if sep and host and port.isdigit() and 0 < int(port) < 65536:
+            return text
+    raise ConfigError(key, value, "expected tcp://HOST:PORT or unix:///PATH", source)
+
+
+def parse_token(key: str, value: object, source: str = "") -> str:
+    if not isinstance(value, str) or not value or value != value.strip() or len(value) > 4096:
+        raise ConfigError(key, "<hidden>", "expected a non-empty string without surrounding spaces", source)
+    return value
+
+
 @dataclass(frozen=True)
 class KvtierConfig:
     """What one vLLM instance's kvtier needs. Sizes in bytes, thresholds in percent."""
@@ -147,6 +174,11 @@ class KvtierConfig:
     io_threads: int = 4
     demote_queue_blocks: int = 256
     promote_timeout_s: float = 5.0
+    # The node's meta service (backend pool): its URL and shared token. Empty:
+    # from the config files named by MMC_LOCAL_CONFIG_PATH / MMC_META_CONFIG_PATH,
+    # else tcp://127.0.0.1:5000; the token also from KVTIER_TOKEN.
+    meta_service_url: str = ""
+    token: str = ""
 
     def __post_init__(self) -> None:
         pairs = (("evict_threshold_low", "evict_threshold_high"),
@@ -179,6 +211,8 @@ _CONNECTOR_KEYS: dict[str, tuple[str, Callable[[str, object, str], object]]] = {
     "io_threads": ("io_threads", parse_int_range(1, 64)),
     "demote_queue_blocks": ("demote_queue_blocks", parse_int_range(1, 1 << 20)),
     "promote_timeout_s": ("promote_timeout_s", parse_seconds),
+    "meta_service_url": ("meta_service_url", parse_url_value),
+    "token": ("token", parse_token),
 }
 
 # The names the seeds' config files use, accepted as written there.

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -41,9 +40,7 @@ from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
 from kvtier.connector.worker import WorkerSide
 from kvtier.errors import ConfigError
 from kvtier.keys import KeyNamespace, directory_digest, file_digest
-from kvtier.store import TieredStore
-from kvtier.tier.dram import DramTier, start_reaper
-from kvtier.tier.ssd import SsdTier
+from kvtier.placement import EmbeddedPlacement, open_store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,7 +103,7 @@ def check_vllm_config(vllm_config: VllmConfig, cfg: KvtierConfig) -> None:
                           'kvtier needs "kv_load_failure_policy": "recompute" in --kv-transfer-config, so that '
                           "a block that fails its checks is recomputed instead of failing the request",
                           "kv_transfer_config")
-    if cfg.ssd_paths:
+    if cfg.ssd_paths and not cfg.backend.shared:
         engine_id = str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")
         dp_size = getattr(pc, "data_parallel_size", 1)
         dp_index = getattr(pc, "data_parallel_index", 0) or 0
@@ -321,36 +318,68 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
     # pipeline stage (the scheduler's config holds stage 0's layers).
     rank_bytes = rank_bytes_for(spec, layers_per_rank(vllm_config, len(layers)))
     engine_id = vllm_config.kv_transfer_config.engine_id or "0"
-    tier = DramTier.create(arena_path(cfg.shm_dir, engine_id), cfg.dram_size_bytes, rank_bytes, ranks)
-    try:
-        # vLLM stops its engine core with SIGKILL right after SIGTERM: the
-        # reaper, not shutdown(), is what removes the arena on most stops.
-        start_reaper(tier)
-    except (OSError, subprocess.SubprocessError) as err:
-        log.warning("kvtier: cannot start the process that removes %s after this engine exits (%s); "
-                    "a later kvtier start removes it", tier.path, err)
-    ssd = None
-    recovered: list = []
-    if cfg.ssd_paths:
-        try:
-            # A tier written under another layout (block size, dtype, cache
-            # dtype, kernel layout, ranks) starts empty instead of recovering
-            # blocks whose bytes this engine would misread.
-            ssd, recovered = SsdTier.open(cfg.ssd_paths, cfg.ssd_size_bytes, tier.slot_stride,
-                                          cfg.force_new_disk, fingerprint=ns.fingerprint())
-        except BaseException:
-            tier.close()
-            raise
-    store = TieredStore(tier, cfg.evict_threshold_high, cfg.evict_threshold_low, ssd=ssd,
-                        ssd_high_pct=cfg.ssd_evict_threshold_high, ssd_low_pct=cfg.ssd_evict_threshold_low,
-                        dram_watermark_pct=cfg.rewarm_dram_watermark, io_threads=cfg.io_threads,
-                        demote_queue_blocks=cfg.demote_queue_blocks, recovered=recovered)
+    # A tier written under another layout (block size, dtype, cache dtype,
+    # kernel layout, ranks) starts empty instead of recovering blocks whose
+    # bytes this engine would misread.
+    store = open_store(cfg, arena_path(cfg.shm_dir, engine_id), rank_bytes, ranks, ns.fingerprint())
+    tier, ssd = store.tier, store.ssd
     log.info("kvtier: DRAM tier %s, %d slots of %d bytes (%.2f GiB), block of %d tokens",
              tier.path, tier.num_slots, tier.slot_stride, tier.size_bytes / (1 << 30), spec.block_size)
     if ssd is not None:
         log.info("kvtier: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths), ssd.num_slots,
-                 len(recovered))
-    return SchedulerSide(store, ns, spec.block_size, ranks, promote_timeout_s=cfg.promote_timeout_s)
+                 store.counters()["ssd_slots_used"])
+    return SchedulerSide(EmbeddedPlacement(store), ns, spec.block_size, ranks,
+                         promote_timeout_s=cfg.promote_timeout_s)
+
+
+def meta_service_url(cfg: KvtierConfig) -> tuple[str, str]:
+    """The meta service's URL and token: the connector's own keys, else the
+    config files named by ``MMC_LOCAL_CONFIG_PATH`` / ``MMC_META_CONFIG_PATH``
+    (what the seeds export before starting vLLM), else loopback defaults."""
+    url, token = cfg.meta_service_url, cfg.token or os.environ.get("KVTIER_TOKEN", "")
+    if not url or not token:
+        from kvtier.pool.config import load_pool_config
+
+        files = load_pool_config()
+        url = url or files.client_url
+        token = token or (files.token or "")
+    return url, token
+
+
+def build_pool_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                              cfg: KvtierConfig) -> SchedulerSide | None:
+    """The scheduler half on the node's pool; None when the service refuses
+    this instance's block geometry (the engine then runs without kvtier)."""
+    from kvtier.pool.client import PoolPlacement, PoolRefused, PoolUnavailable
+    from kvtier.pool.wire import WireError
+
+    spec, layers = kv_cache_spec(kv_cache_config)
+    ns = namespace_for(vllm_config, kv_cache_config, cfg)
+    pc = vllm_config.parallel_config
+    ranks = pc.tensor_parallel_size * pc.pipeline_parallel_size
+    rank_bytes = rank_bytes_for(spec, layers_per_rank(vllm_config, len(layers)))
+    url, token = meta_service_url(cfg)
+    served = vllm_config.model_config.served_model_name
+    name = f"{served[0] if isinstance(served, list) else served or 'vllm'}@{os.getpid()}"
+    try:
+        placement = PoolPlacement(url, ranks=ranks, rank_bytes=rank_bytes, name=str(name), token=token)
+    except PoolRefused as err:
+        if err.code == "geometry":
+            log.error("kvtier: the meta service at %s refused this instance: %s; kvtier is off for it", url,
+                      err.message)
+            return None
+        raise ConfigError("meta_service_url", url, f"the meta service refused this instance: {err.message}",
+                          "kv_connector_extra_config") from None
+    except (OSError, WireError, PoolUnavailable) as err:
+        # Not there yet (started after vLLM, or restarting): lookups miss
+        # until it answers; the engine serves meanwhile.
+        log.warning("kvtier: the meta service at %s is not reachable (%s); lookups miss until it is", url, err)
+        placement = PoolPlacement(url, ranks=ranks, rank_bytes=rank_bytes, name=str(name), token=token,
+                                  connect=False)
+    else:
+        log.info("kvtier: on the node pool at %s (session %d, arena %s, %d slots)", url, placement.session,
+                 placement.arena_path, placement.num_slots)
+    return SchedulerSide(placement, ns, spec.block_size, ranks, promote_timeout_s=cfg.promote_timeout_s)
 
 
 def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> WorkerSide:
@@ -397,6 +426,11 @@ class KvtierConnector(KVConnectorBase_V1):
                     return
                 # An unsupported model is refused before shared memory is touched.
                 kv_cache_spec(kv_cache_config)
+                if cfg.backend.shared:
+                    self._scheduler = build_pool_scheduler_side(vllm_config, kv_cache_config, cfg)
+                    if self._scheduler is None:
+                        self._inert = "the meta service refused this instance"
+                    return
                 # Arenas of killed engines go first: on huge pages they hold
                 # exactly the pages this start needs.
                 removed = remove_stale_arenas(cfg.shm_dir)

@@ -36,6 +36,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import GAUGES, KvtierStats
 from kvtier.keys import KeyNamespace, block_keys
+from kvtier.placement import EmbeddedPlacement, Placement
 from kvtier.store import TieredStore
 
 if TYPE_CHECKING:
@@ -60,11 +61,12 @@ class _ReqState:
 
 
 class SchedulerSide:
-    def __init__(self, store: TieredStore, namespace: KeyNamespace, block_tokens: int, ranks: int,
+    def __init__(self, store: Placement | TieredStore, namespace: KeyNamespace, block_tokens: int, ranks: int,
                  kv_cache_manager: Any = None, promote_timeout_s: float = 5.0) -> None:
         self.promote_timeout_s = promote_timeout_s
         self.promote_poll_s = 0.001
-        self.store = store
+        # Embedded or the node's pool: the same calls (placement.py).
+        self.store: Placement = EmbeddedPlacement(store) if isinstance(store, TieredStore) else store
         self.block_tokens = block_tokens
         self.ranks = ranks
         self._seed = namespace.seed()
@@ -218,7 +220,7 @@ class SchedulerSide:
 
     def failed_step_plan(self) -> StepPlan:
         """A plan for a step whose planning failed: every planned load fails, nothing is saved."""
-        plan = StepPlan(step=self._step, arena=self.store.tier.path,
+        plan = StepPlan(step=self._step, arena=self.store.arena_path,
                         loads=[BlockCopy(c.block_id, -1, c.key) for c in self._loads_this_step])
         self.store.abandon_saves(self._step)  # slots taken before the failure: no one will write them
         # Requests planned before the failure moved their "saved up to" mark
@@ -236,7 +238,7 @@ class SchedulerSide:
         step = self._step
         # Loads stay queued until the plan is complete: if planning fails
         # half-way, failed_step_plan() still reports every one of them.
-        plan = StepPlan(step=step, arena=self.store.tier.path, loads=list(self._loads_this_step))
+        plan = StepPlan(step=step, arena=self.store.arena_path, loads=list(self._loads_this_step))
         sched = scheduler_output.num_scheduled_tokens
         for req_id, n_sched in sched.items():
             st = self._reqs.get(req_id)
@@ -290,7 +292,7 @@ class SchedulerSide:
                     # Not every rank finished: nothing of that step may be read.
                     log.warning("kvtier: step %d reported by %d of %d ranks; dropping its saves", step, n,
                                 self.ranks)
-                    self.store.complete_step(step, failed_slots=range(self.store.tier.num_slots))
+                    self.store.complete_step(step, all_failed=True)
             if report.corrupt_keys:
                 # After complete_step, so that the step's own pins no longer hold them.
                 self.store.discard(report.corrupt_keys)
@@ -322,7 +324,7 @@ class SchedulerSide:
         preempted by the reset) gets keys under the new seed; one that keeps
         running was computed before the reset and is saved no more.
         """
-        n = self.store.clear()
+        n = self.store.reset()
         self._seed = xxhash.xxh3_128_digest(self._seed + os.urandom(8))
         self._reqs.clear()
         return n
@@ -351,6 +353,8 @@ class SchedulerSide:
             if name in GAUGES:
                 continue
             d = value - self._last_counters.get(name, 0)
+            if d < 0:
+                d = value  # a restarted meta service counts from zero again
             if d:
                 stats.add(name, d)
                 changed = True
@@ -370,12 +374,7 @@ class SchedulerSide:
         when the engine core gets time to shut down; on the usual stop it is
         killed first and the arena's reaper removes it (tier/dram.py).
         """
-        try:
-            self.store.close()
-            if self.store.ssd is not None:
-                self.store.ssd.close()
-        finally:
-            self.store.tier.close()
+        self.store.shutdown()
 
 
 ARENA_PREFIX = "kvtier-dram-"

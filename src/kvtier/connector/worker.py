@@ -51,7 +51,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._report: StepReport | None = None
         self._stats = KvtierStats()
-        self._disabled = False
+        self._bad_arena = ""  # the last arena that could not be mapped (not tried again)
         self._pool: ThreadPoolExecutor | None = None
         self._verifying: Future | None = None
         self._verifying_copies: list[BlockCopy] = []
@@ -68,15 +68,17 @@ class WorkerSide:
                  len(self._layers), self.layout.kind.value, self.layout.layer_block_bytes)
 
     def _attach(self, path: str) -> bool:
+        """Map the arena at ``path``; a plan naming another arena than the
+        mapped one (a restarted meta service) maps the new one."""
         if self._tier is not None and self._tier.path == path:
             return True
-        if self._disabled or self.layout is None:
+        if path == self._bad_arena or self.layout is None:
             return False
         try:
             tier = DramTier.attach(path)
-        except Exception as err:  # noqa: BLE001 - a missing or foreign file turns the cache off
-            log.error("kvtier: cannot attach DRAM arena %s (%s); the cache is off for this worker", path, err)
-            self._disabled = True
+        except Exception as err:  # noqa: BLE001 - a missing or foreign file: this arena's copies fail
+            log.error("kvtier: cannot attach DRAM arena %s (%s); its loads and saves fail", path, err)
+            self._bad_arena = path
             return False
         if tier.rank_bytes < self.layout.block_bytes or self.rank >= tier.ranks:
             # Not switched off quietly: a rank that never saves looked like a
@@ -92,6 +94,8 @@ class WorkerSide:
                               f"{self.layout.block_bytes} bytes")
             log.error("%s", err)
             raise err
+        if self._tier is not None:
+            self._tier.close()
         self._tier = tier
         region = tier._slots[:, self.rank * tier.rank_stride : self.rank * tier.rank_stride + tier.rank_bytes]
         self._slots = slot_matrix(region, self.layout)

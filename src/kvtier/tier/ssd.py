@@ -124,7 +124,7 @@ class IoOps:
     """The OS calls the SSD tier makes. Tests subclass it to inject faults."""
 
     def open(self, path: str, flags: int) -> int:
-        return os.open(path, flags)
+        return os.open(path, flags, 0o600)  # a file it creates is owner-only
 
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         return os.preadv(fd, buffers, offset)

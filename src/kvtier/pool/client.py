@@ -1,0 +1,264 @@
+"""An instance's side of the node pool: the store's calls, over the meta service's socket.
+
+Runs in vLLM's scheduler process (the connector's scheduler half), as the
+:class:`~kvtier.placement.Placement` the connector uses with
+``backend: pool`` (or ``memcache``, the name the seeds' transfer config
+uses). Workers never talk to the service: they map the arena whose path
+each step's plan carries.
+
+The meta service going away never takes the engine with it: a call that
+fails (connection refused or reset, a reply later than ``timeout_s``, a
+reply that breaks the protocol) marks the pool down and answers "miss"
+(nothing found, nothing pinned, saves dropped), and so does every call
+until the next reconnection attempt, made with a backoff of 0.1 s doubling
+to 5 s. A reconnection opens a new session: pins and slots of the old one
+are gone with it (the service released them), and a load planned on one
+of them fails its worker's key and checksum check and is recomputed.
+
+While connected and idle, a thread pings the service every third of the
+lease's time so that the session's leases hold; while the service is
+down, the same thread tries to reconnect on the backoff's schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from kvtier.pool import wire
+from kvtier.pool.service import parse_url
+from kvtier.store import Probe, SaveSlots
+
+log = logging.getLogger(__name__)
+
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+
+class PoolUnavailable(Exception):
+    pass
+
+
+class PoolRefused(Exception):
+    """The service answered the handshake with a refusal (token, version, geometry)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class PoolPlacement:
+    def __init__(self, url: str, *, ranks: int, rank_bytes: int, name: str = "", token: str | None = None,
+                 timeout_s: float = 2.0, connect: bool = True) -> None:
+        self.url = url
+        self._where = parse_url(url)
+        self.ranks = ranks
+        self.rank_bytes = rank_bytes
+        self.name = name or f"vllm-{os.getpid()}"
+        self.token = token if token is not None else os.environ.get("KVTIER_TOKEN", "")
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_id = 1
+        self._welcome: wire.Welcome | None = None
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_FIRST_S
+        self._last_call = 0.0
+        self._last_counters: dict[str, int] = {}
+        self._closed = threading.Event()
+        self.reconnects = 0
+        self.failures = 0  # calls answered "miss" because the pool was down
+        if connect:
+            with self._lock:
+                self._connect_locked()  # the first connection's refusal is a start-up error
+        self._pinger = threading.Thread(target=self._ping_loop, name="kvtier-pool-ping", daemon=True)
+        self._pinger.start()
+
+    # --- connection -------------------------------------------------------
+
+    def _connect_locked(self) -> None:
+        scheme, host, port = self._where
+        if scheme == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            target: object = host
+        else:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            target = (host, port)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(target)
+            if scheme != "unix":
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, self.token or "", self.name, os.getpid(),
+                                                self.ranks, self.rank_bytes)))
+            body = wire.recv_frame(sock)
+            if body is None:
+                raise PoolUnavailable("the meta service closed the connection during the handshake")
+            msg = wire.decode_server(body)
+        except BaseException:
+            sock.close()
+            raise
+        if isinstance(msg, wire.Error):
+            sock.close()
+            raise PoolRefused(msg.code, msg.message)
+        if not isinstance(msg, wire.Welcome):
+            sock.close()
+            raise wire.WireError(f"expected Welcome, got {type(msg).__name__}")
+        self._sock = sock
+        self._welcome = msg
+        self._backoff = BACKOFF_FIRST_S
+        self._last_call = time.monotonic()
+
+    def _drop_locked(self, why: object) -> None:
+        if self._sock is not None:
+            log.warning("kvtier: the meta service at %s is unreachable (%s); lookups miss and saves are dropped "
+                        "until it is back", self.url, why)
+            self._sock.close()
+            self._sock = None
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    def _call(self, msg: msgspec.Struct) -> wire.Reply | None:
+        """The reply, or None when the pool is down (the caller answers "miss")."""
+        with self._lock:
+            if self._closed.is_set():
+                return None
+            if self._sock is None:
+                if time.monotonic() < self._retry_at:
+                    self.failures += 1
+                    return None
+                try:
+                    self._connect_locked()
+                    self.reconnects += 1
+                    log.info("kvtier: reconnected to the meta service at %s (session %d)", self.url,
+                             self._welcome.session if self._welcome else -1)
+                except PoolRefused as err:
+                    self._drop_locked(err)
+                    self.failures += 1
+                    return None
+                except (OSError, wire.WireError, PoolUnavailable) as err:
+                    self._retry_at = time.monotonic() + self._backoff
+                    self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+                    log.debug("kvtier: meta service at %s still unreachable: %s", self.url, err)
+                    self.failures += 1
+                    return None
+            mid = self._next_id
+            self._next_id += 1
+            msg.id = mid  # type: ignore[attr-defined]
+            try:
+                assert self._sock is not None
+                self._sock.sendall(wire.encode(msg))
+                body = wire.recv_frame(self._sock)
+                if body is None:
+                    raise PoolUnavailable("connection closed")
+                reply = wire.decode_server(body)
+                if isinstance(reply, wire.Welcome) or reply.id != mid:
+                    raise wire.WireError("a reply out of order")
+            except (OSError, wire.WireError, PoolUnavailable) as err:
+                self._drop_locked(err)
+                self.failures += 1
+                return None
+            self._last_call = time.monotonic()
+            if isinstance(reply, wire.Error):
+                log.warning("kvtier: the meta service refused %s: %s", type(msg).__name__, reply.message)
+                if reply.code == "bad-request":
+                    self._drop_locked(reply.message)
+                return None
+            return reply
+
+    def _ping_loop(self) -> None:
+        while True:
+            welcome = self._welcome
+            period = (welcome.lease_ttl_ms / 3000) if welcome else 1.0
+            if self._closed.wait(max(0.05, period)):
+                return
+            now = time.monotonic()
+            if (self._sock is None and now >= self._retry_at) or \
+                    (self._sock is not None and now - self._last_call >= period):
+                # Idle: keep the leases; down: reconnect without waiting for a request.
+                self._call(wire.Ping(0))
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def session(self) -> int:
+        return self._welcome.session if self._welcome else 0
+
+    # --- Placement --------------------------------------------------------
+
+    @property
+    def arena_path(self) -> str:
+        return self._welcome.arena if self._welcome else ""
+
+    @property
+    def num_slots(self) -> int:
+        return self._welcome.num_slots if self._welcome else 0
+
+    def probe(self, keys: Sequence[bytes]) -> Probe:
+        if not keys:
+            return Probe(0, 0)
+        r = self._call(wire.Probe(0, list(keys)))
+        return Probe(r.ready, r.total) if isinstance(r, wire.ProbeReply) else Probe(0, 0)
+
+    def promote(self, keys: Sequence[bytes]) -> int:
+        r = self._call(wire.Promote(0, list(keys)))
+        return r.n if isinstance(r, wire.Count) else 0
+
+    def wait_progress(self, timeout_s: float) -> None:
+        if self._call(wire.WaitProgress(0, max(1, int(timeout_s * 1000)))) is None:
+            time.sleep(min(timeout_s, 0.001))
+
+    def pin(self, keys: Sequence[bytes], step: int) -> list[int | None]:
+        r = self._call(wire.Pin(0, step, list(keys))) if keys else None
+        if not isinstance(r, wire.Slots) or len(r.slots) != len(keys):
+            return [None] * len(keys)
+        return [None if x < 0 else x for x in r.slots]
+
+    def prepare_save(self, keys: Sequence[bytes], step: int) -> SaveSlots:
+        r = self._call(wire.PrepareSave(0, step, list(keys))) if keys else None
+        if not isinstance(r, wire.Slots) or len(r.slots) != len(keys):
+            # Pool down: the saves are dropped, not retried (they are settled).
+            return SaveSlots([None] * len(keys), placed=len(keys))
+        return SaveSlots([None if x < 0 else x for x in r.slots], placed=min(max(r.placed, 0), len(keys)))
+
+    def complete_step(self, step: int, failed_slots: Iterable[int] = (), all_failed: bool = False) -> None:
+        self._call(wire.CompleteStep(0, step, list(failed_slots), all_failed))
+
+    def abandon_saves(self, step: int) -> int:
+        r = self._call(wire.AbandonSaves(0, step))
+        return r.n if isinstance(r, wire.Count) else 0
+
+    def discard(self, keys: Iterable[bytes]) -> int:
+        r = self._call(wire.Discard(0, list(keys)))
+        return r.n if isinstance(r, wire.Count) else 0
+
+    def doom_pending(self, after_step: int) -> int:
+        r = self._call(wire.DoomPending(0, after_step))
+        return r.n if isinstance(r, wire.Count) else 0
+
+    def reset(self) -> int:
+        r = self._call(wire.Reset(0))
+        return r.n if isinstance(r, wire.Count) else 0
+
+    def counters(self) -> dict[str, int]:
+        r = self._call(wire.Counters(0))
+        if isinstance(r, wire.CounterValues):
+            self._last_counters = dict(r.values)
+        return dict(self._last_counters)
+
+    def shutdown(self) -> None:
+        """Close the session; the service releases whatever it still holds of it."""
+        self._closed.set()
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None

@@ -1,0 +1,220 @@
+"""The meta service's HTTP side: Prometheus metrics, health, MemCache-style queries.
+
+Runs in the meta service's process, on its own thread, at the address of
+``ock.mmc.meta_service.metrics_url`` (loopback by default). Read-only:
+nothing here changes the pool.
+
+* ``/metrics``: Prometheus text (prometheus_client): capacity and usage
+  per tier, keys looked up and found by tier and by instance, evictions,
+  demotions, promotions (rewarms), leases (pinned and unsettled blocks,
+  expired sessions), RPC latency per call, clients connected;
+* ``/health``: JSON, 200 while the service serves: connected instances
+  and the slot accounting (:meth:`MetaService.accounting`);
+* ``/query_key?key=HEX``, ``/batch_query_keys?keys=HEX,HEX`` (or a POST of
+  ``{"keys": [...]}``), ``/get_all_segments``, ``/api/v1/capacity/usage``:
+  JSON in the shape MemCache's own endpoints answer. Keys are the pool's
+  16-byte block keys in hex, as ``kvtier stats`` and the logs show them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from kvtier.pool.service import MetaService
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 4096
+
+
+class _PoolCollector:
+    def __init__(self, svc: MetaService) -> None:
+        self.svc = svc
+
+    def collect(self) -> Iterator[object]:
+        svc = self.svc
+        store = svc.store
+        cap = GaugeMetricFamily("kvtier_pool_capacity_bytes", "Bytes each tier can hold", labels=["tier"])
+        used = GaugeMetricFamily("kvtier_pool_used_bytes", "Bytes of blocks each tier holds", labels=["tier"])
+        blocks = GaugeMetricFamily("kvtier_pool_blocks", "Blocks each tier holds", labels=["tier"])
+        for tier, total, n, size in _tiers(svc):
+            cap.add_metric([tier], total * size)
+            used.add_metric([tier], n * size)
+            blocks.add_metric([tier], n)
+        yield cap
+        yield used
+        yield blocks
+        clients = GaugeMetricFamily("kvtier_pool_clients", "Instances connected")
+        sessions = svc.sessions()
+        clients.add_metric([], len(sessions))
+        yield clients
+        looked = CounterMetricFamily("kvtier_pool_lookup_keys", "Block keys looked up, by instance",
+                                     labels=["instance"])
+        found = CounterMetricFamily("kvtier_pool_hit_keys", "Block keys found, by tier and instance",
+                                    labels=["tier", "instance"])
+        for name, (n_look, n_dram, n_ssd) in svc.lookups_by_instance().items():
+            looked.add_metric([name], n_look)
+            found.add_metric(["dram", name], n_dram)
+            found.add_metric(["ssd", name], n_ssd)
+        yield looked
+        yield found
+        events = CounterMetricFamily("kvtier_pool_events", "Pool events by kind", labels=["event"])
+        if store is not None:
+            c = store.counters()
+            for name in ("evictions", "blocks_demoted", "demote_failures", "evicted_without_copy",
+                         "blocks_promoted", "promote_failures", "ssd_evictions", "ssd_corrupt_blocks",
+                         "ssd_read_errors", "corrupt_blocks"):
+                events.add_metric([name], c.get(name, 0))
+        events.add_metric(["sessions_started"], svc.sessions_started)
+        events.add_metric(["sessions_expired"], svc.sessions_expired)
+        events.add_metric(["bad_messages"], svc.bad_messages)
+        yield events
+        acc = svc.accounting()
+        leases = GaugeMetricFamily("kvtier_pool_leased_blocks", "Blocks pinned for loads or taken for saves",
+                                   labels=["kind"])
+        leases.add_metric(["pinned"], acc["pinned_entries"])
+        leases.add_metric(["unsettled"], acc["unsettled_entries"])
+        yield leases
+
+
+def _tiers(svc: MetaService) -> list[tuple[str, int, int, int]]:
+    """(tier, slots, slots used, bytes per slot) of each tier the pool has."""
+    store = svc.store
+    if store is None:
+        return []
+    c = store.counters()
+    out = [("dram", c["dram_slots_total"], c["dram_slots_used"], store.tier.slot_stride)]
+    if store.ssd is not None:
+        out.append(("ssd", c["ssd_slots_total"], c["ssd_slots_used"], store.ssd.slot_bytes))
+    return out
+
+
+class PoolHttp:
+    """The HTTP server; :meth:`start` binds and serves on a daemon thread."""
+
+    def __init__(self, svc: MetaService, host: str, port: int) -> None:
+        self.svc = svc
+        self.registry = CollectorRegistry()
+        self.registry.register(_PoolCollector(svc))  # type: ignore[arg-type]
+        self.rpc = Histogram("kvtier_pool_rpc_seconds", "Time the service spent on each call", ["call"],
+                             registry=self.registry,
+                             buckets=(2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0))
+        svc.rpc_seconds = lambda call, s: self.rpc.labels(call).observe(s)
+        http = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt: str, *args: object) -> None:
+                log.debug("kvtier meta http: " + fmt, *args)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                http._dispatch(self, None)
+
+            def do_POST(self) -> None:  # noqa: N802
+                n = int(self.headers.get("Content-Length") or 0)
+                if n > 1 << 20:
+                    _reply(self, 413, {"error": "body over 1 MiB"})
+                    return
+                http._dispatch(self, self.rfile.read(n))
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.server.serve_forever, name="kvtier-meta-http", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _dispatch(self, h: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        url = urlsplit(h.path)
+        q = parse_qs(url.query)
+        try:
+            if url.path == "/metrics":
+                data = generate_latest(self.registry)
+                h.send_response(200)
+                h.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                h.send_header("Content-Length", str(len(data)))
+                h.end_headers()
+                h.wfile.write(data)
+            elif url.path == "/health":
+                _reply(h, 200, {"status": "ok", "pool": self.svc.store is not None,
+                                "clients": [{"session": s.id, "name": s.name, "pid": s.pid}
+                                            for s in self.svc.sessions()],
+                                "slots": self.svc.accounting(),
+                                "sessions_started": self.svc.sessions_started,
+                                "sessions_expired": self.svc.sessions_expired})
+            elif url.path == "/query_key":
+                key = (q.get("key") or [""])[0]
+                _reply(h, 200, self.svc.key_info(_hex_key(key)))
+            elif url.path == "/batch_query_keys":
+                keys = _batch_keys(q, body)
+                _reply(h, 200, {"results": [self.svc.key_info(_hex_key(k)) for k in keys]})
+            elif url.path == "/get_all_segments":
+                _reply(h, 200, {"segments": [
+                    {"name": tier, "path": path, "capacity_bytes": total * size, "used_bytes": n * size,
+                     "blocks": n, "block_bytes": size}
+                    for (tier, total, n, size), path in zip(_tiers(self.svc), self.svc.tier_paths())]})
+            elif url.path == "/api/v1/capacity/usage":
+                _reply(h, 200, {tier: {"total_bytes": total * size, "used_bytes": n * size,
+                                       "usage": round(n / total, 6) if total else 0.0}
+                                for tier, total, n, size in _tiers(self.svc)})
+            else:
+                _reply(h, 404, {"error": f"no such endpoint: {url.path}",
+                                "endpoints": ["/metrics", "/health", "/query_key", "/batch_query_keys",
+                                              "/get_all_segments", "/api/v1/capacity/usage"]})
+        except ValueError as err:
+            _reply(h, 400, {"error": str(err)})
+
+
+def _hex_key(text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        key = b""
+    if len(key) != 16:
+        raise ValueError(f"key {text[:64]!r}: expected 32 hex digits (a 16-byte block key)")
+    return key
+
+
+def _batch_keys(q: dict[str, list[str]], body: bytes | None) -> list[str]:
+    if body:
+        try:
+            doc = json.loads(body)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"body: not JSON ({err.msg})") from None
+        keys = doc.get("keys") if isinstance(doc, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError('body: expected {"keys": ["<hex>", ...]}')
+    else:
+        keys = [k for v in q.get("keys", []) for k in v.split(",") if k]
+    if len(keys) > MAX_BATCH:
+        raise ValueError(f"keys: {len(keys)} given, at most {MAX_BATCH} per call")
+    return keys
+
+
+def _reply(h: BaseHTTPRequestHandler, code: int, doc: object) -> None:
+    data = json.dumps(doc).encode()
+    h.send_response(code)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Length", str(len(data)))
+    h.end_headers()
+    h.wfile.write(data)

@@ -1,0 +1,81 @@
+"""Start the node's meta service from its configuration files: ``kvtier meta``.
+
+Runs as the service's main thread: reads the pool's config files
+(pool/config.py), logs each key it ignores once, opens the socket and the
+HTTP endpoint, prints where both are, and waits for SIGINT or SIGTERM; then
+it stops the service (sessions closed, I/O finished, arena removed) and
+exits 0. A bad configuration or an address in use exits 2 with one line
+naming the key; nothing it created stays behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from kvtier.errors import ConfigError
+
+log = logging.getLogger("kvtier.meta")
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="kvtier meta", description="the node's pool: one meta service per node")
+    p.add_argument("--meta-config", "--config", dest="meta_config", default=None,
+                   help="the meta config file (default: $MMC_META_CONFIG_PATH)")
+    p.add_argument("--local-config", default=None, help="the local config file (default: $MMC_LOCAL_CONFIG_PATH)")
+    p.add_argument("--ready-file", default=None,
+                   help="write the service's socket and metrics URLs here once it serves (for scripts)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.pool.config import load_pool_config
+    from kvtier.pool.http import PoolHttp
+    from kvtier.pool.service import MetaService, ServiceOptions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        cfg = load_pool_config(args.meta_config, args.local_config)
+    except ConfigError as err:
+        log.error("%s", err)
+        return 2
+    logging.getLogger().setLevel(cfg.log_level)
+    for line in cfg.ignored:
+        log.info("%s", line)
+    for line in cfg.warnings:
+        log.warning("%s", line)
+    svc = MetaService(ServiceOptions(url=cfg.meta_url, store=cfg.store_config(), lease_ttl_ms=cfg.lease_ttl_ms,
+                                     token=cfg.token))
+    http: PoolHttp | None = None
+    try:
+        svc.start()
+        try:
+            http = PoolHttp(svc, cfg.metrics_host, cfg.metrics_port)
+        except OSError as err:
+            raise ConfigError("ock.mmc.meta_service.metrics_url", f"{cfg.metrics_host}:{cfg.metrics_port}",
+                              f"cannot listen there: {err.strerror}") from None
+        http.start()
+    except ConfigError as err:
+        log.error("%s", err)
+        svc.stop()
+        return 2
+    log.info("kvtier meta: serving the node pool at %s; metrics at %s/metrics (files: %s)", svc.address, http.url,
+             ", ".join(cfg.sources) or "none, defaults")
+    if args.ready_file:
+        with open(args.ready_file, "w") as f:
+            f.write(f"{svc.address}\n{http.url}\n")
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(3600):
+        pass
+    log.info("kvtier meta: stopping")
+    http.stop()
+    svc.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))

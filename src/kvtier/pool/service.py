@@ -1,0 +1,496 @@
+"""The meta service: one pool per node, shared by every vLLM instance on it.
+
+Runs as its own process (``kvtier meta``). It owns the node's store
+(store.py: index, slots, pins, watermarks; the SSD tier and its I/O threads
+below it) and the shared-memory DRAM arena the store hands slots of;
+instances reach it over a local socket (wire.py) and their workers map the
+arena and copy blocks themselves, as with the embedded backend.
+
+This module is the shell around the store: the listening socket, one
+thread per connection, sessions and their leases, and the pool's creation.
+
+* **Sessions.** A connection opens one with ``Hello``; the session's id is
+  the store ``owner`` of everything it pins and saves, so instances' step
+  numbers never meet. A session ends when its connection closes (process
+  gone) or when nothing arrived from it for ``lease_ttl_ms`` (a hung
+  client; clients ping while idle): the store then releases its pins and
+  drops its unwritten saves (:meth:`TieredStore.end_session`), and the
+  accounting is checked (:meth:`MetaService.accounting`).
+* **The pool** is made on the first ``Hello``, in that instance's slot
+  geometry (ranks, bytes per rank); an instance of another geometry is
+  refused with a line saying so (its connector stays off, its engine runs).
+  The arena is named after the service's address plus a random tag. A
+  restarted service adopts the arena a killed one left (same file, so the
+  mappings workers hold stay valid): every block sealed by all ranks whose
+  checksums still hold is served again; other leftover arenas of its
+  address are removed.
+* **Safety.** A Unix socket is made mode 0600 in a 0700 folder; TCP binds
+  what the URL names (loopback by default); with a token set, a ``Hello``
+  without it (compared in constant time) is refused. A malformed frame
+  gets an ``Error`` and the connection is closed; other sessions go on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import xxhash
+
+from kvtier.config import KvtierConfig
+from kvtier.errors import ConfigError
+from kvtier.placement import close_store, open_store
+from kvtier.pool import wire
+from kvtier.store import TieredStore
+from kvtier.tier.dram import DramTier, remove_stale_files
+
+log = logging.getLogger(__name__)
+
+ARENA_PREFIX = "kvtier-pool-"
+_LOW_STEP = -(1 << 62)
+
+
+def parse_url(url: str) -> tuple[str, str, int]:
+    """``tcp://host:port`` -> ("tcp", host, port); ``unix:///path`` -> ("unix", path, 0)."""
+    if url.startswith("unix://"):
+        path = url[len("unix://"):]
+        if not path.startswith("/"):
+            raise ConfigError("meta_service_url", url,
+                              "a unix socket needs an absolute path: unix:///run/kvtier/meta.sock")
+        return "unix", path, 0
+    if url.startswith("tcp://"):
+        host, sep, port = url[len("tcp://"):].rpartition(":")
+        if sep and host and port.isdigit() and 0 <= int(port) < 65536:
+            return "tcp", host.strip("[]"), int(port)
+    raise ConfigError("meta_service_url", url, "expected tcp://HOST:PORT or unix:///PATH")
+
+
+@dataclass
+class Session:
+    id: int
+    name: str
+    pid: int
+    conn: socket.socket
+    peer: str
+    last_seen: float = field(default_factory=time.monotonic)
+    ended: bool = False
+    calls: int = 0
+    # Held while a call runs: a session ended by its lease meanwhile is
+    # ended after the call, so nothing it pinned or took outlives it.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    url: str = "tcp://127.0.0.1:5000"
+    store: KvtierConfig = field(default_factory=KvtierConfig)
+    lease_ttl_ms: int = 10_000
+    token: str | None = None
+    name: str = ""  # names the arena; by default from the URL
+
+
+class MetaService:
+    def __init__(self, opts: ServiceOptions) -> None:
+        self.opts = opts
+        self._where = parse_url(opts.url)
+        tag = opts.name or xxhash.xxh64_hexdigest(opts.url.encode())[:12]
+        self._arena_stem = os.path.join(opts.store.shm_dir, f"{ARENA_PREFIX}{tag}-")
+        self.store: TieredStore | None = None
+        self._adoptable: DramTier | None = None  # a dead service's arena, owned now, not yet in use
+        self.geometry: tuple[int, int] | None = None  # (ranks, rank_bytes)
+        self._lock = threading.Lock()
+        self._sessions: dict[int, Session] = {}
+        self._next_session = 1
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.sessions_started = 0
+        self.sessions_expired = 0
+        self.bad_messages = 0
+        self.rpc_seconds: Callable[[str, float], None] | None = None  # metrics hook
+        # Per instance name, kept after its sessions end: keys looked up,
+        # found in DRAM, found on SSD only.
+        self._lookups: dict[str, list[int]] = {}
+
+    # --- lifecycle --------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """Where clients connect (the bound port when the URL asked for port 0)."""
+        scheme, host, port = self._where
+        if scheme == "unix":
+            return f"unix://{host}"
+        if self._sock is not None:
+            host, port = self._sock.getsockname()[:2]
+        return f"tcp://{host}:{port}"
+
+    def start(self) -> None:
+        # The arena a killed service left behind is adopted (the newest one,
+        # if another service does not hold it): its blocks that still verify
+        # are served again once the first instance of its geometry comes.
+        stem = os.path.basename(self._arena_stem)
+        shm = self.opts.store.shm_dir
+        try:
+            left = sorted((os.path.join(shm, n) for n in os.listdir(shm) if n.startswith(stem)),
+                          key=lambda p: os.stat(p).st_mtime, reverse=True)
+        except OSError:
+            left = []
+        for path in left:
+            self._adoptable = DramTier.adopt(path)
+            if self._adoptable is not None:
+                log.info("kvtier meta: found the arena %s of a service that died; its blocks that verify are "
+                         "adopted", path)
+                break
+        removed = remove_stale_files(shm, stem)
+        if removed:
+            log.info("kvtier meta: removed %d arenas left by a service that died", len(removed))
+        if self._where[0] == "unix":
+            path = self._where[1]
+            folder = os.path.dirname(path)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            if os.path.exists(path):
+                if _socket_alive(path):
+                    raise ConfigError("meta_service_url", self.opts.url, "another meta service listens there")
+                os.unlink(path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)
+            try:
+                sock.bind(path)
+            finally:
+                os.umask(old)
+        else:
+            _, host, port = self._where
+            family = socket.AF_INET6 if ":" in str(host) else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as err:
+                sock.close()
+                raise ConfigError("meta_service_url", self.opts.url, f"cannot listen there: {err.strerror}") \
+                    from None
+        sock.listen(64)
+        self._sock = sock
+        self._spawn(self._accept_loop, "kvtier-meta-accept")
+        self._spawn(self._lease_loop, "kvtier-meta-leases")
+        log.info("kvtier meta: listening on %s", self.address)
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: object) -> threading.Thread:
+        t = threading.Thread(target=target, name=name, args=args, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def stop(self) -> None:
+        """Close the socket and every session, then the store and its arena."""
+        self._stop.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+            if self._where[0] == "unix":
+                try:
+                    os.unlink(str(self._where[1]))
+                except OSError:
+                    pass
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            self._end(s, "service stopping")
+        with self._lock:
+            if self.store is not None:
+                close_store(self.store)
+                self.store = None
+            if self._adoptable is not None:
+                self._adoptable.close()
+                self._adoptable = None
+
+    # --- the pool ---------------------------------------------------------
+
+    def _pool_for(self, ranks: int, rank_bytes: int) -> TieredStore:
+        with self._lock:
+            if self.store is None:
+                arena = self._arena_stem + secrets.token_hex(4)
+                fingerprint = xxhash.xxh3_128_digest(f"kvtier-pool-v1;ranks={ranks};rank_bytes={rank_bytes}".encode())
+                old, self._adoptable = self._adoptable, None
+                adopt = old is not None and (old.ranks, old.rank_bytes) == (ranks, rank_bytes)
+                if old is not None and not adopt:
+                    log.info("kvtier meta: the old arena holds another geometry; starting cold")
+                    old.close()  # owner: removes it
+                self.store = open_store(self.opts.store, arena, rank_bytes, ranks, fingerprint, reaper=False,
+                                        tier=old if adopt else None)
+                if adopt:
+                    n = self.store.adopt_dram(self.store.tier.sealed_blocks())
+                    log.info("kvtier meta: %d blocks adopted from the old arena", n)
+                self.geometry = (ranks, rank_bytes)
+                t, ssd = self.store.tier, self.store.ssd
+                log.info("kvtier meta: DRAM pool %s, %d slots of %d bytes (%.2f GiB)", t.path, t.num_slots,
+                         t.slot_stride, t.size_bytes / (1 << 30))
+                if ssd is not None:
+                    log.info("kvtier meta: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths),
+                             ssd.num_slots, self.store.counters()["ssd_slots_used"])
+            elif self.geometry != (ranks, rank_bytes):
+                have_r, have_b = self.geometry  # type: ignore[misc]
+                raise _Refused("geometry", f"this pool holds blocks of {have_r} rank parts of {have_b} bytes; "
+                                           f"the instance writes {ranks} of {rank_bytes} (another model or "
+                                           "parallel layout): give it a meta service of its own")
+            return self.store
+
+    # --- connections ------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return
+            self._spawn(self._serve, "kvtier-meta-conn", conn, str(peer or "unix"))
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        session: Session | None = None
+        try:
+            conn.settimeout(None)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            session = self._handshake(conn, peer)
+            if session is None:
+                return
+            while not self._stop.is_set() and not session.ended:
+                body = wire.recv_frame(conn)
+                if body is None:
+                    return
+                session.last_seen = time.monotonic()
+                try:
+                    msg = wire.decode_client(body)
+                    if isinstance(msg, wire.Hello):
+                        raise wire.WireError("a second Hello in one session")
+                    with session.lock:
+                        if session.ended:
+                            return
+                        reply = self._handle(session, msg)
+                except wire.WireError as err:
+                    self.bad_messages += 1
+                    log.warning("kvtier meta: %s (%s) sent a bad message: %s; connection closed", session.name,
+                                peer, err)
+                    _send(conn, wire.Error(0, "bad-request", str(err)))
+                    return
+                conn.sendall(wire.encode(reply))
+        except (OSError, wire.WireError) as err:
+            if session is None or not session.ended:
+                log.info("kvtier meta: connection from %s ended: %s", peer, err)
+        except Exception:  # noqa: BLE001 - one connection's failure never stops the service
+            log.exception("kvtier meta: connection from %s failed", peer)
+        finally:
+            if session is not None:
+                self._end(session, "connection closed")
+            conn.close()
+
+    def _handshake(self, conn: socket.socket, peer: str) -> Session | None:
+        conn.settimeout(10.0)
+        try:
+            body = wire.recv_frame(conn)
+            if body is None:
+                return None
+            msg = wire.decode_client(body)
+        except (wire.WireError, OSError) as err:
+            self.bad_messages += 1
+            log.warning("kvtier meta: bad handshake from %s: %s", peer, err)
+            _send(conn, wire.Error(0, "bad-request", f"expected Hello: {err}"))
+            return None
+        conn.settimeout(None)
+        if not isinstance(msg, wire.Hello):
+            self.bad_messages += 1
+            _send(conn, wire.Error(0, "bad-request", "expected Hello first"))
+            return None
+        if msg.version != wire.PROTOCOL_VERSION:
+            _send(conn, wire.Error(0, "version", f"protocol {msg.version} asked, this service speaks "
+                                                 f"{wire.PROTOCOL_VERSION}: run the same kvtier version"))
+            return None
+        if self.opts.token and not hmac.compare_digest(msg.token.encode(), self.opts.token.encode()):
+            log.warning("kvtier meta: %s (%s) gave no valid token; refused", msg.name or "an instance", peer)
+            _send(conn, wire.Error(0, "auth", "the meta service requires its token (KVTIER_TOKEN)"))
+            return None
+        try:
+            if not (1 <= msg.ranks <= 8 and 0 < msg.rank_bytes <= 1 << 34):
+                raise _Refused("geometry", f"{msg.ranks} ranks of {msg.rank_bytes} bytes is not a block geometry")
+            store = self._pool_for(msg.ranks, msg.rank_bytes)
+        except _Refused as err:
+            log.warning("kvtier meta: refused %s (%s): %s", msg.name, peer, err.message)
+            _send(conn, wire.Error(0, err.code, err.message))
+            return None
+        except ConfigError as err:
+            log.error("kvtier meta: cannot make the pool: %s", err)
+            _send(conn, wire.Error(0, "internal", f"the pool could not be made: {err}"))
+            return None
+        with self._lock:
+            sid = self._next_session
+            self._next_session += 1
+            session = Session(sid, msg.name or f"pid {msg.pid}", msg.pid, conn, peer)
+            self._sessions[sid] = session
+            self.sessions_started += 1
+        conn.sendall(wire.encode(wire.Welcome(wire.PROTOCOL_VERSION, sid, store.tier.path, store.tier.num_slots,
+                                              self.opts.lease_ttl_ms, store.ssd is not None)))
+        log.info("kvtier meta: session %d: %s (pid %d) from %s", sid, session.name, msg.pid, peer)
+        return session
+
+    def _handle(self, s: Session, msg: wire.Request) -> wire.Reply:
+        store = self.store
+        if store is None:
+            return wire.Error(msg.id, "internal", "the pool is closed")
+        t0 = time.perf_counter()
+        s.calls += 1
+        owner = s.id
+        reply: wire.Reply
+        if isinstance(msg, wire.Probe):
+            p = store.probe(msg.keys)
+            tally = self._lookups.setdefault(s.name, [0, 0, 0])
+            tally[0] += len(msg.keys)
+            tally[1] += p.ready
+            tally[2] += p.total - p.ready
+            reply = wire.ProbeReply(msg.id, p.ready, p.total)
+        elif isinstance(msg, wire.Pin):
+            reply = wire.Slots(msg.id, [-1 if x is None else x for x in store.pin(msg.keys, msg.step, owner=owner)],
+                               len(msg.keys))
+        elif isinstance(msg, wire.PrepareSave):
+            got = store.prepare_save(msg.keys, msg.step, owner=owner)
+            reply = wire.Slots(msg.id, [-1 if x is None else x for x in got], got.placed)
+        elif isinstance(msg, wire.CompleteStep):
+            failed = range(store.tier.num_slots) if msg.all_failed else msg.failed_slots
+            store.complete_step(msg.step, failed_slots=failed, owner=owner)
+            reply = wire.Ok(msg.id)
+        elif isinstance(msg, wire.Promote):
+            reply = wire.Count(msg.id, store.promote(msg.keys))
+        elif isinstance(msg, wire.WaitProgress):
+            store.wait_progress(min(max(msg.timeout_ms, 0), 100) / 1000)
+            reply = wire.Ok(msg.id)
+        elif isinstance(msg, wire.AbandonSaves):
+            reply = wire.Count(msg.id, store.abandon_saves(msg.step, owner=owner))
+        elif isinstance(msg, wire.Discard):
+            reply = wire.Count(msg.id, store.discard(msg.keys))
+        elif isinstance(msg, wire.DoomPending):
+            reply = wire.Count(msg.id, store.doom_pending(msg.after_step, owner=owner))
+        elif isinstance(msg, wire.Reset):
+            # Other instances' blocks stay: the instance's new key seed keeps
+            # it from its own old ones; what it has in flight is dropped.
+            reply = wire.Count(msg.id, store.doom_pending(_LOW_STEP, owner=owner))
+        elif isinstance(msg, wire.Counters):
+            reply = wire.CounterValues(msg.id, store.counters())
+        elif isinstance(msg, wire.Ping):
+            reply = wire.Ok(msg.id)
+        else:  # pragma: no cover - the decoder admits only the types above
+            raise wire.WireError(f"unexpected {type(msg).__name__}")
+        if self.rpc_seconds is not None:
+            self.rpc_seconds(type(msg).__name__, time.perf_counter() - t0)
+        return reply
+
+    # --- leases -----------------------------------------------------------
+
+    def _lease_loop(self) -> None:
+        ttl = self.opts.lease_ttl_ms / 1000
+        while not self._stop.wait(min(1.0, ttl / 4)):
+            now = time.monotonic()
+            with self._lock:
+                late = [s for s in self._sessions.values() if now - s.last_seen > ttl]
+            for s in late:
+                self.sessions_expired += 1
+                self._end(s, f"nothing heard for {self.opts.lease_ttl_ms} ms")
+
+    def _end(self, s: Session, why: str) -> None:
+        with s.lock:
+            with self._lock:
+                if s.ended:
+                    return
+                s.ended = True
+                self._sessions.pop(s.id, None)
+                store = self.store
+            pins = pending = 0
+            if store is not None:
+                pins, pending = store.end_session(s.id)
+        log.info("kvtier meta: session %d (%s) ended: %s; %d pins released, %d unwritten saves dropped",
+                 s.id, s.name, why, pins, pending)
+        try:
+            s.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # --- queries ----------------------------------------------------------
+
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def lookups_by_instance(self) -> dict[str, tuple[int, int, int]]:
+        """Instance name -> (keys looked up, found in DRAM, found on SSD only)."""
+        with self._lock:
+            return {name: (a, b, c) for name, (a, b, c) in self._lookups.items()}
+
+    def key_info(self, key: bytes) -> dict[str, object]:
+        """Where the pool holds ``key`` (read-only: no recency change)."""
+        store = self.store
+        info = store.key_info(key) if store is not None else None
+        return {"key": key.hex(), "found": info is not None, **(info or {})}
+
+    def tier_paths(self) -> list[str]:
+        store = self.store
+        if store is None:
+            return []
+        return [store.tier.path] + ([":".join(store.ssd.paths)] if store.ssd is not None else [])
+
+    def accounting(self) -> dict[str, int]:
+        """Slots by who holds them. ``pins`` and ``pending``: what live
+        sessions hold; ``pinned_entries`` and ``unsettled_entries``: what the
+        store holds, whoever for (PROMOTING included). Once every session
+        that held something has ended, both pairs are 0: nothing outlives
+        its owner."""
+        store = self.store
+        if store is None:
+            return {"total": 0, "used": 0, "free": 0, "pins": 0, "pending": 0, "pinned_entries": 0,
+                    "unsettled_entries": 0}
+        with self._lock:
+            ids = list(self._sessions)
+        pins = pending = 0
+        for sid in ids:
+            p, q = store.session_holds(sid)
+            pins += p
+            pending += q
+        st = store.statistics()
+        return {"total": st.num_slots, "used": st.used_slots, "free": st.num_slots - st.used_slots,
+                "pins": pins, "pending": pending, "pinned_entries": st.pinned_slots,
+                "unsettled_entries": st.pending_slots}
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _send(conn: socket.socket, msg: msgspec.Struct) -> None:
+    try:
+        conn.sendall(wire.encode(msg))
+    except OSError:
+        pass
+
+
+def _socket_alive(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

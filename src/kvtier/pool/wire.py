@@ -1,0 +1,227 @@
+"""The pool's wire: messages between a vLLM instance and the node's meta service.
+
+Runs on both ends of one local socket (Unix, or TCP on loopback unless
+configured). Only the index travels here: keys, slot numbers, counters.
+Block data never crosses the socket; workers of every instance map the
+service's DRAM arena and copy themselves.
+
+Framing: a 4-byte little-endian length, then one MessagePack message
+(msgspec, typed: no pickle, nothing but these structs decodes). Every
+message is a tagged struct; a frame longer than :data:`MAX_FRAME`, a
+truncated one, an unknown tag, a wrong field type or a key that is not 16
+bytes is refused with :class:`WireError`, and the service answers it with
+:class:`Error` (or closes that one connection) while serving the others.
+
+A session opens with :class:`Hello` (protocol version, optional shared
+token, the instance's slot geometry) and the service answers
+:class:`Welcome` (session id, arena path, slots) or :class:`Error`. Then
+each request carries an id the reply repeats.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
+KEY_BYTES = 16
+_LEN = struct.Struct("<I")
+
+
+class WireError(Exception):
+    """A frame or message that breaks the protocol."""
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, forbid_unknown_fields=True):
+    pass
+
+
+# --- handshake --------------------------------------------------------------
+
+class Hello(_Msg):
+    version: int
+    token: str
+    name: str  # the instance, for logs and per-instance metrics
+    pid: int
+    ranks: int  # ranks writing parts of each block
+    rank_bytes: int  # bytes of each rank's part
+
+
+class Welcome(_Msg):
+    version: int
+    session: int
+    arena: str  # path of the DRAM arena to map
+    num_slots: int
+    lease_ttl_ms: int
+    ssd: bool
+
+
+# --- requests (each with an id the reply repeats) ---------------------------
+
+class Probe(_Msg):
+    id: int
+    keys: list[bytes]
+
+
+class Promote(_Msg):
+    id: int
+    keys: list[bytes]
+
+
+class Pin(_Msg):
+    id: int
+    step: int
+    keys: list[bytes]
+
+
+class PrepareSave(_Msg):
+    id: int
+    step: int
+    keys: list[bytes]
+
+
+class CompleteStep(_Msg):
+    id: int
+    step: int
+    failed_slots: list[int]
+    all_failed: bool  # not every rank finished: nothing of the step may be read
+
+
+class AbandonSaves(_Msg):
+    id: int
+    step: int
+
+
+class Discard(_Msg):
+    id: int
+    keys: list[bytes]
+
+
+class DoomPending(_Msg):
+    id: int
+    after_step: int
+
+
+class Reset(_Msg):
+    """The instance's weights changed: its saves in flight are dropped."""
+
+    id: int
+
+
+class Counters(_Msg):
+    id: int
+
+
+class WaitProgress(_Msg):
+    id: int
+    timeout_ms: int
+
+
+class Ping(_Msg):
+    """Keeps the session's leases alive while the instance is idle."""
+
+    id: int
+
+
+Request = Probe | Promote | Pin | PrepareSave | CompleteStep | AbandonSaves | Discard | DoomPending | Reset | \
+    Counters | WaitProgress | Ping
+
+
+# --- replies ----------------------------------------------------------------
+
+class ProbeReply(_Msg):
+    id: int
+    ready: int
+    total: int
+
+
+class Count(_Msg):
+    id: int
+    n: int
+
+
+class Slots(_Msg):
+    id: int
+    slots: list[int]  # -1: none
+    placed: int
+
+
+class CounterValues(_Msg):
+    id: int
+    values: dict[str, int]
+
+
+class Ok(_Msg):
+    id: int
+
+
+class Error(_Msg):
+    id: int  # 0 when the message had no readable id
+    code: str  # "version", "auth", "geometry", "bad-request", "internal", "expired"
+    message: str
+
+
+Reply = ProbeReply | Count | Slots | CounterValues | Ok | Error
+
+ClientMessage = Hello | Request
+ServerMessage = Welcome | Reply
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_server_decoder = msgspec.msgpack.Decoder(ServerMessage)
+_KEYED = (Probe, Promote, Pin, PrepareSave, Discard)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    body = _encoder.encode(msg)
+    if len(body) > MAX_FRAME:
+        raise WireError(f"message of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
+    return _LEN.pack(len(body)) + body
+
+
+def decode_client(body: bytes) -> ClientMessage:
+    """A message from an instance, schema-checked; keys must be 16 bytes."""
+    try:
+        msg = _client_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise WireError(str(err)) from None
+    if isinstance(msg, _KEYED):
+        for key in msg.keys:
+            if len(key) != KEY_BYTES:
+                raise WireError(f"a key of {len(key)} bytes (keys are {KEY_BYTES})")
+    return msg
+
+
+def decode_server(body: bytes) -> ServerMessage:
+    try:
+        return _server_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        raise WireError(str(err)) from None
+
+
+def recv_frame(sock: socket.socket) -> bytes | None:
+    """One frame's body; None when the peer closed between frames."""
+    head = _recv_exact(sock, _LEN.size, allow_eof=True)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes announced, over the {MAX_FRAME}-byte limit")
+    body = _recv_exact(sock, n, allow_eof=False)
+    assert body is not None
+    return body
+
+
+def _recv_exact(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            if allow_eof and not buf:
+                return None
+            raise WireError(f"connection closed inside a frame ({len(buf)} of {n} bytes)")
+        buf += chunk
+    return bytes(buf)

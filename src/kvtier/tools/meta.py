@@ -1,0 +1,100 @@
+"""Start and stop a meta service process (``python -m kvtier.meta``).
+
+Runs in ``kvtier serve``, the demo, tests and benchmarks. :class:`MetaProcess`
+writes nothing but a log: the caller hands it the two config files, it
+starts the service in a process group of its own, waits until it serves
+(its ready file names the socket and metrics URLs), and stops it with
+SIGTERM (then SIGKILL) on exit. :meth:`MetaProcess.kill` is ``kill -9``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from kvtier.tools.server import ServerError
+
+
+class MetaProcess:
+    def __init__(self, meta_config: str | Path, local_config: str | Path | None = None,
+                 log_path: str | Path | None = None, startup_timeout_s: float = 60.0,
+                 env: dict[str, str] | None = None) -> None:
+        self.meta_config = str(meta_config)
+        self.local_config = str(local_config or meta_config)
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="kvtier-meta-", suffix=".log")[1])
+        self.startup_timeout_s = startup_timeout_s
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+        self.metrics_url = ""
+
+    def env_for_clients(self) -> dict[str, str]:
+        """What a vLLM instance needs to find this service (as the seeds export it)."""
+        return {"MMC_META_CONFIG_PATH": self.meta_config, "MMC_LOCAL_CONFIG_PATH": self.local_config}
+
+    def start(self) -> MetaProcess:
+        ready = Path(tempfile.mkdtemp(prefix="kvtier-meta-")) / "ready"
+        env = dict(os.environ)
+        env.update(self.env_for_clients())
+        env.update(self.env)
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.meta", "--ready-file", str(ready)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"kvtier meta exited with {self.proc.returncode} during start-up; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            if ready.exists() and len(ready.read_text().splitlines()) == 2:
+                self.address, self.metrics_url = ready.read_text().splitlines()
+                ready.unlink()
+                ready.parent.rmdir()
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise ServerError(f"kvtier meta not ready after {self.startup_timeout_s}s; log {self.log_path}")
+
+    def health(self) -> dict:
+        return httpx.get(self.metrics_url + "/health", timeout=5).json()
+
+    def kill(self) -> None:
+        """``kill -9``: no cleanup runs; the arena stays for the next start to remove."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        rc = self.proc.wait()
+        self._log.close()
+        return rc
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> MetaProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

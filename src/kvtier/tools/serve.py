@@ -1,0 +1,258 @@
+"""``kvtier serve`` and ``kvtier stop``: a node's pool and its vLLM instances in one command.
+
+Runs as a supervisor process in the foreground. ``serve`` starts the meta
+service (from the config files in ``--config-dir``, those named by
+``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``, or loopback defaults
+written into the log folder), then ``--instances`` vLLM OpenAI servers
+wired to it (``"backend": "memcache"``), each in a process group of its
+own, and prints their URLs and the metrics URL. It records every process
+id, with the process's start time, in ``<log-dir>/serve.json``.
+
+It stops everything (instances first, then the service) on Ctrl-C,
+SIGTERM, or ``kvtier stop``, which signals the supervisor recorded in
+that file. Processes are found only by those recorded ids, checked against
+their recorded start times, never by name: a reused pid is left alone. A
+child that dies is reported with the last lines of its log, and the rest
+are stopped. Logs: ``<log-dir>/meta.log``, ``<log-dir>/vllm-<i>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvtier.tools.meta import MetaProcess
+from kvtier.tools.server import ServerError, free_port
+
+STATE_FILE = "serve.json"
+
+
+def process_start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return int(text.rpartition(")")[2].split()[19])
+
+
+def default_configs(folder: Path) -> tuple[Path, Path]:
+    """Loopback config files for a node with nothing configured."""
+    port, metrics = free_port(), free_port()
+    meta, local = folder / "mmc-meta.conf", folder / "mmc-local.conf"
+    meta.write_text(f"# written by kvtier serve\nock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+                    f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{metrics}\n")
+    local.write_text(f"# written by kvtier serve\nock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+                     "ock.mmc.local_service.protocol = host_shm\nock.mmc.local_service.dram.size = 1GB\n"
+                     "ock.mmc.local_service.world_size = 1\n")
+    return meta, local
+
+
+def find_configs(config_dir: str | None, log_dir: Path) -> tuple[Path, Path]:
+    if config_dir:
+        meta, local = Path(config_dir) / "mmc-meta.conf", Path(config_dir) / "mmc-local.conf"
+        for p in (meta, local):
+            if not p.is_file():
+                raise ServerError(f"{p}: no such file (--config-dir needs mmc-meta.conf and mmc-local.conf)")
+        return meta, local
+    env_meta, env_local = os.environ.get("MMC_META_CONFIG_PATH"), os.environ.get("MMC_LOCAL_CONFIG_PATH")
+    if env_meta or env_local:
+        return Path(env_meta or env_local), Path(env_local or env_meta)  # type: ignore[arg-type]
+    return default_configs(log_dir)
+
+
+@dataclass
+class Instance:
+    index: int
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _transfer_config() -> str:
+    return json.dumps({"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.connector",
+                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"backend": "memcache"}})
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Serve:
+    def __init__(self, model: str, instances: int, log_dir: Path, config_dir: str | None = None,
+                 vllm_args: list[str] | None = None, host: str = "127.0.0.1", first_port: int = 0,
+                 startup_timeout_s: float = 600.0, out=print) -> None:
+        self.model = model
+        self.n = instances
+        self.log_dir = log_dir
+        self.config_dir = config_dir
+        self.vllm_args = list(vllm_args or [])
+        self.host = host
+        self.first_port = first_port
+        self.startup_timeout_s = startup_timeout_s
+        self.out = out
+        self.meta: MetaProcess | None = None
+        self.instances: list[Instance] = []
+        self._stop = threading.Event()
+
+    def _write_state(self) -> None:
+        procs = [("supervisor", os.getpid())]
+        if self.meta and self.meta.proc:
+            procs.append(("meta", self.meta.proc.pid))
+        procs += [(f"vllm-{i.index}", i.proc.pid) for i in self.instances]
+        state = {"processes": [{"role": role, "pid": pid, "start": process_start_time(pid)} for role, pid in procs],
+                 "urls": [i.url for i in self.instances],
+                 "metrics": self.meta.metrics_url if self.meta else ""}
+        tmp = self.log_dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.log_dir / STATE_FILE)
+
+    def _start_instance(self, i: int, env: dict[str, str]) -> Instance:
+        port = self.first_port + i if self.first_port else free_port()
+        log_path = self.log_dir / f"vllm-{i}.log"
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--host", self.host, "--port", str(port), "--enable-prefix-caching",
+                "--kv-transfer-config", _transfer_config(), *self.vllm_args]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return Instance(i, port, proc, log_path)
+
+    def _wait_ready(self, inst: Instance) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if inst.proc.poll() is not None:
+                raise ServerError(f"vLLM instance {inst.index} exited with {inst.proc.returncode} during start-up; "
+                                  f"last lines of {inst.log_path}:\n{_tail(inst.log_path)}")
+            try:
+                if httpx.get(inst.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"vLLM instance {inst.index} not ready after {self.startup_timeout_s:.0f} s; "
+                          f"log {inst.log_path}")
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
+        self.meta = MetaProcess(meta_conf, local_conf, log_path=self.log_dir / "meta.log").start()
+        self.out(f"meta service  {self.meta.address}   metrics {self.meta.metrics_url}/metrics")
+        env = dict(os.environ)
+        env.update(self.meta.env_for_clients())
+        # Started one after another: on a small host parallel start-ups only
+        # compete for the same cores; each must be up before the next.
+        for i in range(self.n):
+            inst = self._start_instance(i, env)
+            self.instances.append(inst)
+            self._write_state()
+            self._wait_ready(inst)
+            self.out(f"instance {i}    {inst.url}/v1   (log {inst.log_path})")
+        self._write_state()
+
+    def watch(self) -> int:
+        """Until a stop signal (0) or a child's death (1)."""
+        while not self._stop.wait(1.0):
+            for inst in self.instances:
+                if inst.proc.poll() is not None:
+                    self.out(f"vLLM instance {inst.index} exited with {inst.proc.returncode}; last lines of "
+                             f"{inst.log_path}:\n{_tail(inst.log_path)}")
+                    return 1
+            if self.meta and self.meta.proc and self.meta.proc.poll() is not None:
+                self.out(f"the meta service exited with {self.meta.proc.returncode}; last lines of "
+                         f"{self.meta.log_path}:\n{self.meta.log_tail(20)}")
+                return 1
+        return 0
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        for inst in self.instances:
+            _stop_group(inst.proc)
+        if self.meta is not None:
+            self.meta.stop()
+        try:
+            (self.log_dir / STATE_FILE).unlink()
+        except OSError:
+            pass
+
+
+def _stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm_args: list[str],
+          first_port: int = 0, host: str = "127.0.0.1") -> int:
+    s = Serve(model, instances, Path(log_dir), config_dir, vllm_args, host=host, first_port=first_port)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, s.request_stop)
+    try:
+        s.start()
+        print(f"serving; stop with Ctrl-C or: kvtier stop --log-dir {log_dir}", flush=True)
+        rc = s.watch()
+    except ServerError as err:
+        print(f"kvtier serve: {err}", file=sys.stderr)
+        rc = 1
+    finally:
+        s.stop()
+    print("stopped", flush=True)
+    return rc
+
+
+def stop(log_dir: str, timeout_s: float = 120.0) -> int:
+    """Stop what ``kvtier serve`` recorded in ``log_dir``: its supervisor
+    (which stops the rest), or each recorded process if it is gone."""
+    path = Path(log_dir) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        print(f"kvtier stop: {path}: nothing recorded there (not serving?)", file=sys.stderr)
+        return 1
+    procs = [p for p in state.get("processes", []) if process_start_time(p["pid"]) == p["start"]]
+    sup = [p for p in procs if p["role"] == "supervisor"]
+    if sup:
+        os.kill(sup[0]["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and process_start_time(sup[0]["pid"]) == sup[0]["start"]:
+            time.sleep(0.2)
+        if process_start_time(sup[0]["pid"]) != sup[0]["start"]:
+            print("stopped")
+            return 0
+    # No supervisor (killed): the recorded processes, each checked again.
+    for p in procs:
+        if p["role"] != "supervisor" and process_start_time(p["pid"]) == p["start"]:
+            try:
+                os.killpg(p["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    path.unlink(missing_ok=True)
+    print("stopped")
+    return 0

@@ -1,0 +1,232 @@
+"""One pool for the node: two real vLLM CPU instances on one meta service process.
+
+The service is started from MemCache-style config files, as the seeds do
+(``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``), and each instance's
+transfer config names only the connector and ``"backend": "memcache"``.
+Tests run in file order and share the processes: a prefix from A is a hit
+on B; the service is killed with -9 while both instances load and comes
+back with its SSD tier; then instance B is killed with -9 while it saves,
+and the service gives back everything B held.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtier.tools.meta import MetaProcess
+from kvtier.tools.server import VllmServer, free_port, parse_metrics
+from tests.e2e.conftest import BLOCK, assert_loads_succeeded, complete, delta, server_options, tokens
+
+pytestmark = pytest.mark.e2e
+
+EXT_HITS = "vllm:external_prefix_cache_hits_total"
+DISK = 'vllm:prompt_tokens_cached_by_source_total{source="disk"}'
+HOST = 'vllm:prompt_tokens_cached_by_source_total{source="host"}'
+
+
+def write_configs(folder: Path) -> tuple[Path, Path]:
+    """The seeds' two files, addresses and sizes changed: a 24 MiB pool per
+    device (about 45 blocks of 512 KiB) over a 256 MiB SSD file."""
+    port, metrics = free_port(), free_port()
+    meta = folder / "mmc-meta.conf"
+    meta.write_text(
+        f"ock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+        f"ock.mmc.meta_service.config_store_url = tcp://127.0.0.1:{free_port()}\n"
+        f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{metrics}\n"
+        "ock.mmc.log_level = info\n"
+        "ock.mmc.evict_threshold_high = 90\n"
+        "ock.mmc.evict_threshold_low = 80\n")
+    local = folder / "mmc-local.conf"
+    local.write_text(
+        f"ock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+        f"ock.mmc.local_service.config_store_url = tcp://127.0.0.1:{port}\n"
+        "ock.mmc.local_service.protocol = host_shm\n"
+        "ock.mmc.local_service.dram.size = 24MB\n"
+        "ock.mmc.local_service.world_size = 1\n"
+        "ock.mmc.local_service.storage.enabled = true\n"
+        f"ubsio.disk.path = {folder / 'ssd.img'}\n"
+        "kvtier.ssd_size = 256MB\n"
+        "ock.mmc.rewarm.dram_watermark = 95\n")
+    return meta, local
+
+
+class Node:
+    def __init__(self, folder: Path, model: str) -> None:
+        self.folder = folder
+        self.meta_conf, self.local_conf = write_configs(folder)
+        self.meta = MetaProcess(self.meta_conf, self.local_conf, log_path=folder / "meta.log")
+        self.model = model
+        self.servers: dict[str, VllmServer] = {}
+
+    def instance(self, name: str) -> VllmServer:
+        opts = server_options(self.model, {"backend": "memcache"}, env=self.meta.env_for_clients()
+                              | {"VLLM_LOG_STATS_INTERVAL": "1"})
+        srv = VllmServer(opts, log_path=self.folder / f"vllm-{name}.log")
+        self.servers[name] = srv
+        return srv.start()
+
+    def wait_clients(self, n: int, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = self.meta.health()
+            if len(h["clients"]) == n or time.monotonic() > deadline:
+                return h
+            time.sleep(0.2)
+
+
+def wait_running(*servers: VllmServer, timeout_s: float = 120) -> None:
+    """Until one of ``servers`` runs a request (vLLM's own gauge)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(s.metrics().get("vllm:num_requests_running", 0) > 0 for s in servers):
+            return
+        time.sleep(0.05)
+    raise AssertionError("no request started running")
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = Node(tmp_path_factory.mktemp("pool"), tiny_model)
+    n.meta.start()
+    try:
+        n.instance("a")
+        n.instance("b")
+        yield n
+    finally:
+        for srv in n.servers.values():
+            srv.stop()
+        n.meta.stop()
+
+
+def test_a_prefix_prefilled_on_a_is_a_dram_hit_on_b(node: Node) -> None:
+    a, b = node.servers["a"], node.servers["b"]
+    assert len(node.wait_clients(2)["clients"]) == 2
+    prompt = tokens(31, 20 * BLOCK + 5)
+    complete(a, prompt)
+    device_hit = complete(a, prompt)
+    before = b.metrics()
+    on_b = complete(b, prompt)
+    after = b.metrics()
+    assert delta(after, before, EXT_HITS) == 20 * BLOCK
+    assert delta(after, before, HOST) == 20 * BLOCK
+    assert_loads_succeeded(before, after, 20 * BLOCK)
+    assert on_b["text"] == device_hit["text"]
+    # The service counts the hit for instance B.
+    pool = parse_metrics(httpx.get(node.meta.metrics_url + "/metrics", timeout=5).text)
+    dram_hits = [v for k, v in pool.items() if k.startswith("kvtier_pool_hit_keys_total{") and 'tier="dram"' in k]
+    assert len(dram_hits) == 2 and max(dram_hits) >= 20  # per instance; B found the 20 blocks
+
+
+def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node) -> None:
+    a, b = node.servers["a"], node.servers["b"]
+    prompts = [tokens(40 + i, 12 * BLOCK + 3) for i in range(6)]
+    # References: each prompt cold on A, then pushed into the pool.
+    refs = [complete(a, p)["text"] for p in prompts]
+    results: list[str | None] = [None] * 12
+    start = threading.Event()
+
+    def ask(i: int) -> None:
+        start.wait()
+        srv = b if i % 2 else a
+        results[i] = complete(srv, prompts[i % 6])["text"]
+
+    with ThreadPoolExecutor(12) as pool:
+        futs = [pool.submit(ask, i) for i in range(12)]
+        start.set()
+        wait_running(a, b)  # requests are in flight: lookups and loads run
+        node.meta.kill()
+        for f in futs:
+            f.result()
+    # Every request completed, with the output vLLM alone gives.
+    assert results == [refs[i % 6] for i in range(12)]
+    assert httpx.get(a.url + "/health", timeout=5).status_code == 200
+    assert httpx.get(b.url + "/health", timeout=5).status_code == 200
+    # With the service gone, lookups miss at once and engines serve on.
+    fresh = tokens(60, 6 * BLOCK + 1)
+    assert complete(b, fresh)["text"] == complete(a, fresh)["text"]
+
+    # Back on the same files: the service adopts the old arena (blocks the
+    # index had published that still verify) and recovers the SSD tier's
+    # index; the instances reconnect on their own and hits resume.
+    # Prompts 0, 2 and 4 never ran on B.
+    mark = len(node.meta.log_text())
+    node.meta.start()
+    assert len(node.wait_clients(2)["clients"]) == 2
+    log = node.meta.log_text()[mark:]
+    assert re.search(r"[1-9]\d* blocks adopted from the old arena", log)
+    arena = re.search(r"DRAM pool (\S+),", log).group(1)
+    before = b.metrics()
+    again = [complete(b, prompts[i])["text"] for i in (0, 2)]
+    after = b.metrics()
+    hit = delta(after, before, EXT_HITS)
+    assert hit > 0 and delta(after, before, HOST) + delta(after, before, DISK) == hit
+    assert_loads_succeeded(before, after, hit)
+    assert again == [refs[0], refs[2]]
+
+    # A reboot empties /dev/shm but not the SSD: the next start finds no
+    # arena, recovers the SSD tier, and hits come from disk.
+    node.meta.kill()
+    os.unlink(arena)
+    mark = len(node.meta.log_text())
+    node.meta.start()
+    assert len(node.wait_clients(2)["clients"]) == 2
+    log = node.meta.log_text()[mark:]
+    assert "adopted" not in log and re.search(r"SSD tier on .*, [1-9]\d* blocks recovered", log)
+    before = b.metrics()
+    again4 = complete(b, prompts[4])["text"]
+    after = b.metrics()
+    hit = delta(after, before, EXT_HITS)
+    assert hit == 12 * BLOCK
+    assert delta(after, before, DISK) == hit
+    assert_loads_succeeded(before, after, hit)
+    assert again4 == refs[4]
+
+
+def test_killed_instance_leaves_nothing_held_and_the_other_keeps_hitting(node: Node) -> None:
+    a, b = node.servers["a"], node.servers["b"]
+    assert len(node.wait_clients(2)["clients"]) == 2
+    long_prompts = [tokens(70 + i, 30 * BLOCK + 7) for i in range(4)]
+
+    def ask(p: list[int]) -> None:
+        try:
+            complete(b, p, max_tokens=64)
+        except (httpx.HTTPError, AssertionError):
+            pass  # the server dies under it
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in long_prompts]
+    for t in threads:
+        t.start()
+    wait_running(b)
+    pids = b.pids()  # the API server and its engine, killed mid-save
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join()
+    b.stop()
+    health = node.wait_clients(1)
+    assert len(health["clients"]) == 1
+    slots = health["slots"]
+    assert slots["pinned_entries"] == 0 and slots["unsettled_entries"] == 0
+    assert slots["free"] + slots["used"] == slots["total"]
+    # A still loads from the pool: a prefix it saved, evicted from its device cache.
+    prompt = tokens(80, 16 * BLOCK + 2)
+    complete(a, prompt)
+    device_hit = complete(a, prompt)
+    for i in range(3):
+        complete(a, tokens(90 + i, 1500), max_tokens=2)
+    before = a.metrics()
+    again = complete(a, prompt)
+    after = a.metrics()
+    assert delta(after, before, EXT_HITS) == 16 * BLOCK
+    assert_loads_succeeded(before, after, 16 * BLOCK)
+    assert again["text"] == device_hit["text"]

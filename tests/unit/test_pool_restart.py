@@ -1,0 +1,117 @@
+"""A meta service process killed with -9 and started again: what its clients and the pool keep.
+
+The service is a real process (``python -m kvtier.meta``) started from
+config files; the test plays one instance (a :class:`PoolPlacement`) and
+its worker (sealing slots in the arena).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kvtier.pool.client import PoolPlacement
+from kvtier.tier.dram import DramTier, checksum
+from kvtier.tools.meta import MetaProcess
+from kvtier.tools.server import free_port
+
+RANK_BYTES = 4096
+
+
+def keys(seed: int, n: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(16) for _ in range(n)]
+
+
+def configs(tmp: Path) -> Path:
+    shm = tmp / "shm"
+    shm.mkdir()
+    conf = tmp / "mmc.conf"
+    conf.write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{free_port()}\n"
+                    f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n"
+                    "ock.mmc.local_service.dram.size = 2MB\n"
+                    "ock.mmc.local_service.world_size = 1\n"
+                    f"kvtier.shm_dir = {shm}\n")
+    return conf
+
+
+def seal(arena: str, slots: list[int | None], ks: list[bytes], corrupt: bool = False) -> None:
+    tier = DramTier.attach(arena)
+    for slot, key in zip(slots, ks):
+        assert slot is not None
+        view = tier.rank_view(slot, 0)
+        view.fill_(3)
+        tier.seal(slot, key, 0, checksum(view))
+        if corrupt:
+            view[0] = 4
+    tier.close()
+
+
+def wait_connected(c: PoolPlacement) -> None:
+    deadline = time.monotonic() + 20
+    while not c.connected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.connected
+
+
+def test_a_restarted_service_adopts_the_blocks_that_verify_and_nothing_else(tmp_path: Path) -> None:
+    conf = configs(tmp_path)
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    try:
+        c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i")
+        published, unpublished, corrupt, doomed = keys(1, 4), keys(2, 2), keys(3, 2), keys(4, 2)
+        slots = c.prepare_save(published + corrupt + doomed, step=1)
+        seal(c.arena_path, list(slots[:4]), published)
+        seal(c.arena_path, list(slots[4:6]), corrupt)
+        seal(c.arena_path, list(slots[6:]), doomed)
+        c.complete_step(1)
+        assert c.probe(published).ready == 4
+        c.discard(doomed)  # found bad by a reader: never readable again
+        seal(c.arena_path, list(c.prepare_save(unpublished, step=2)), unpublished)  # step 2 never completes
+        tier = DramTier.attach(c.arena_path)
+        for slot in slots[4:6]:  # flipped after publication: fails its checksum
+            tier.rank_view(slot, 0)[7] ^= 0xFF
+        tier.close()
+        arena = c.arena_path
+        meta.kill()
+        assert c.probe(published).total == 0  # down: a miss, at once
+
+        meta.start()
+        wait_connected(c)
+        assert c.arena_path == arena  # the same file: workers' mappings stay valid
+        assert "4 blocks adopted from the old arena" in meta.log_text()
+        assert c.probe(published).ready == 4
+        for ks in (unpublished, corrupt, doomed):
+            assert c.probe(ks).total == 0
+        assert c.pin(published, step=1) == list(slots[:4])
+        health = httpx.get(meta.metrics_url + "/health", timeout=5).json()
+        assert health["slots"]["used"] == 4 and health["slots"]["pins"] == 4
+        c.complete_step(1)
+        c.shutdown()
+    finally:
+        meta.stop()
+    assert not any((tmp_path / "shm").iterdir())  # a clean stop removes the arena
+
+
+def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(tmp_path: Path) -> None:
+    conf = configs(tmp_path)
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    try:
+        c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i")
+        ks = keys(5, 2)
+        seal(c.arena_path, list(c.prepare_save(ks, step=1)), ks)
+        c.complete_step(1)
+        old = c.arena_path
+        c.shutdown()
+        meta.kill()
+        meta.start()
+        d = PoolPlacement(meta.address, ranks=1, rank_bytes=2 * RANK_BYTES, name="j")
+        assert d.arena_path != old and not Path(old).exists()
+        assert d.probe(ks).total == 0
+        assert "starting cold" in meta.log_text()
+        d.shutdown()
+    finally:
+        meta.stop()

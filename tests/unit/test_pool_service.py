@@ -1,0 +1,264 @@
+"""The meta service and its clients over real sockets on 127.0.0.1.
+
+The service runs in this process (its own threads); clients are
+:class:`PoolPlacement` objects, as in a vLLM scheduler, or raw sockets
+where a test needs to break the protocol. Workers are played by mapping
+the service's arena and sealing slots, as connector/worker.py does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.config import KvtierConfig
+from kvtier.pool import wire
+from kvtier.pool.client import PoolPlacement, PoolRefused
+from kvtier.pool.service import MetaService, ServiceOptions
+from kvtier.tier.dram import DramTier, checksum
+
+RANK_BYTES = 4096
+
+
+def keys(seed: int, n: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(16) for _ in range(n)]
+
+
+def start(tmp_path: Path, **kw: object) -> MetaService:
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    store = KvtierConfig(dram_size_bytes=64 * (RANK_BYTES + 4096), shm_dir=str(shm))
+    opts = dict(url="tcp://127.0.0.1:0", store=store, lease_ttl_ms=10_000)
+    opts.update(kw)
+    svc = MetaService(ServiceOptions(**opts))  # type: ignore[arg-type]
+    svc.start()
+    return svc
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[MetaService]:
+    svc = start(tmp_path)
+    yield svc
+    svc.stop()
+
+
+def client(svc: MetaService, **kw: object) -> PoolPlacement:
+    opts: dict = dict(ranks=1, rank_bytes=RANK_BYTES, name="test")
+    opts.update(kw)
+    return PoolPlacement(svc.address, **opts)
+
+
+def write_blocks(arena: str, slots: list[int | None], ks: list[bytes], fill: int) -> None:
+    """What a worker does for a save: copy its part into the slot, seal it."""
+    tier = DramTier.attach(arena)
+    try:
+        for slot, key in zip(slots, ks):
+            assert slot is not None
+            view = tier.rank_view(slot, 0)
+            view.fill_(fill)
+            tier.seal(slot, key, 0, checksum(view))
+    finally:
+        tier.close()
+
+
+def save(c: PoolPlacement, ks: list[bytes], step: int, fill: int = 7) -> list[int | None]:
+    slots = c.prepare_save(ks, step)
+    assert slots.placed == len(ks) and None not in slots
+    write_blocks(c.arena_path, list(slots), ks, fill)
+    c.complete_step(step)
+    return list(slots)
+
+
+def test_a_block_saved_by_one_instance_is_found_and_pinned_by_another(service: MetaService) -> None:
+    a, b = client(service, name="a"), client(service, name="b")
+    ks = keys(1, 5)
+    slots = save(a, ks, step=1)
+    assert b.arena_path == a.arena_path and a.session != b.session
+    assert b.probe(ks).ready == 5
+    assert b.pin(ks, step=1) == slots
+    tier = DramTier.attach(b.arena_path)
+    assert all(tier.verify(s, k, 0) for s, k in zip(slots, ks))
+    tier.close()
+    b.complete_step(1)
+    assert service.accounting()["pins"] == 0
+    a.shutdown()
+    b.shutdown()
+
+
+def test_step_numbers_of_two_instances_never_settle_each_other(service: MetaService) -> None:
+    a, b = client(service), client(service)
+    ks = keys(2, 4)
+    save(a, ks, step=3)
+    assert a.pin(ks[:2], step=7) != [None, None]
+    # b's step 7 (and everything below it) completes: a's pins of its own step 7 hold.
+    b.complete_step(7)
+    assert service.accounting()["pins"] == 2
+    pending = b.prepare_save(keys(3, 2), step=7)
+    a.complete_step(9)  # a's steps settle; b's pending saves stay unreadable
+    acc = service.accounting()
+    assert (acc["pins"], acc["pending"], acc["unsettled_entries"]) == (0, 2, 2)
+    assert a.probe(keys(3, 2)).ready == 0
+    write_blocks(b.arena_path, list(pending), keys(3, 2), 1)
+    b.complete_step(7)
+    assert a.probe(keys(3, 2)).ready == 2
+
+
+def test_a_dead_instance_gives_back_its_pins_and_unwritten_slots(service: MetaService) -> None:
+    a, b = client(service), client(service)
+    ks = keys(4, 6)
+    save(b, ks, step=1)
+    free_before = service.accounting()["free"]
+    assert None not in a.pin(ks, step=1)
+    assert None not in a.prepare_save(keys(5, 3), step=1)
+    acc = service.accounting()
+    assert (acc["pins"], acc["pending"], acc["free"]) == (6, 3, free_before - 3)
+    a._closed.set()  # the process is gone: its socket closes, nothing more is said
+    a._sock.close()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    while service.accounting()["pending"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    acc = service.accounting()
+    assert (acc["pins"], acc["pending"], acc["free"]) == (0, 0, free_before)
+    assert (acc["pinned_entries"], acc["unsettled_entries"]) == (0, 0)
+    assert acc["free"] + acc["used"] == acc["total"]
+    assert b.probe(ks).ready == 6  # the other instance's blocks are untouched
+    assert b.probe(keys(5, 3)).total == 0  # the dead one's unwritten saves never appear
+
+
+def test_a_silent_session_loses_its_lease(tmp_path: Path) -> None:
+    svc = start(tmp_path, lease_ttl_ms=300)
+    try:
+        b = client(svc)
+        ks = keys(6, 3)
+        save(b, ks, step=1)
+        raw = socket.create_connection(("127.0.0.1", int(svc.address.rsplit(":", 1)[1])))
+        raw.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "hung", 1, 1, RANK_BYTES)))
+        assert isinstance(wire.decode_server(wire.recv_frame(raw)), wire.Welcome)
+        raw.sendall(wire.encode(wire.Pin(1, 1, ks)))
+        assert wire.decode_server(wire.recv_frame(raw)).slots != [-1, -1, -1]  # type: ignore[union-attr]
+        assert svc.accounting()["pins"] == 3
+        deadline = time.monotonic() + 10
+        while svc.accounting()["pins"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        acc = svc.accounting()
+        assert (acc["pins"], acc["pinned_entries"]) == (0, 0)
+        assert svc.sessions_expired == 1
+        # The pinging client kept its session through several lease periods.
+        assert [s.id for s in svc.sessions()] == [b.session]
+        assert raw.recv(1) == b""  # the service closed the expired session
+        raw.close()
+    finally:
+        svc.stop()
+
+
+def test_token_is_required_when_set(tmp_path: Path) -> None:
+    svc = start(tmp_path, token="s3cret-token")
+    try:
+        with pytest.raises(PoolRefused) as err:
+            client(svc, token="wrong")
+        assert err.value.code == "auth"
+        with pytest.raises(PoolRefused):
+            client(svc, token="")
+        ok = client(svc, token="s3cret-token")
+        assert ok.probe(keys(7, 1)).total == 0 and ok.connected
+    finally:
+        svc.stop()
+
+
+def test_another_block_geometry_is_refused_with_a_reason(service: MetaService) -> None:
+    client(service)
+    with pytest.raises(PoolRefused) as err:
+        client(service, rank_bytes=RANK_BYTES * 2)
+    assert err.value.code == "geometry" and str(RANK_BYTES) in err.value.message
+
+
+def _raw(svc: MetaService) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", int(svc.address.rsplit(":", 1)[1])), timeout=5)
+    return s
+
+
+def _answer(s: socket.socket) -> object:
+    body = wire.recv_frame(s)
+    return None if body is None else wire.decode_server(body)
+
+
+@pytest.mark.parametrize("frame", [
+    struct.pack("<I", 100) + b"\x01\x02",  # truncated, then closed
+    struct.pack("<I", wire.MAX_FRAME + 1),  # oversized
+    struct.pack("<I", 8) + os.urandom(8),  # random bytes
+    wire.encode(wire.Hello(wire.PROTOCOL_VERSION + 1, "", "x", 1, 1, RANK_BYTES)),  # wrong version
+    wire.encode(wire.Probe(1, [b"k"])),  # no Hello first
+])
+def test_bad_frames_are_refused_and_the_service_keeps_serving(service: MetaService, frame: bytes) -> None:
+    good = client(service)
+    ks = keys(8, 2)
+    save(good, ks, step=1)
+    s = _raw(service)
+    s.sendall(frame)
+    s.shutdown(socket.SHUT_WR)
+    reply = _answer(s)
+    assert reply is None or (isinstance(reply, wire.Error) and reply.code in ("bad-request", "version"))
+    s.close()
+    assert good.probe(ks).ready == 2
+    assert service.accounting()["pending"] == 0
+
+
+def test_a_key_of_the_wrong_length_ends_only_that_session(service: MetaService) -> None:
+    good = client(service)
+    s = _raw(service)
+    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "bad", 1, 1, RANK_BYTES)))
+    assert isinstance(_answer(s), wire.Welcome)
+    s.sendall(wire.encode(wire.Probe(5, [b"short"])))
+    reply = _answer(s)
+    assert isinstance(reply, wire.Error) and "16" in reply.message
+    assert _answer(s) is None  # closed
+    assert service.bad_messages == 1
+    assert good.probe(keys(9, 1)).total == 0 and good.connected
+
+
+def test_a_gone_service_is_a_miss_at_once_and_the_client_comes_back(tmp_path: Path) -> None:
+    svc = start(tmp_path)
+    port = int(svc.address.rsplit(":", 1)[1])
+    c = client(svc)
+    ks = keys(10, 3)
+    save(c, ks, step=1)
+    svc.stop()
+    assert c.probe(ks).total == 0
+    assert c.pin(ks, step=2) == [None, None, None]
+    got = c.prepare_save(ks, step=2)
+    assert list(got) == [None] * 3 and got.placed == 3  # dropped, not retried
+    assert not c.connected and c.failures >= 3
+    svc2 = start(tmp_path, url=f"tcp://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 15
+        while not c.connected and time.monotonic() < deadline:
+            c.probe(ks)
+            time.sleep(0.05)
+        assert c.connected and c.reconnects == 1
+        assert c.probe(ks).total == 0  # a cold pool: a restart without an arena to adopt
+        save(c, ks, step=1)
+        assert c.probe(ks).ready == 3
+    finally:
+        svc2.stop()
+
+
+def test_unix_socket_is_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "meta.sock"
+    svc = start(tmp_path, url=f"unix://{path}")
+    try:
+        assert (path.stat().st_mode & 0o777) == 0o600
+        assert (path.parent.stat().st_mode & 0o777) == 0o700
+        c = client(svc)
+        save(c, keys(11, 2), step=1)
+        assert c.probe(keys(11, 2)).ready == 2
+    finally:
+        svc.stop()
+    assert not path.exists()
