@@ -1,19 +1,27 @@
 """The main job: serve a model with kvtier and show the TTFT and hit-rate gain.
 
-Long-document QA on a vLLM server whose device cache is too small for the
-documents: round 1 asks each document twice in a row (cold, then a device
-prefix-cache hit); round 2 asks every document again, after the device
-cache has moved on, so the prefix comes from kvtier's DRAM tier. Prints
-TTFT per kind of request and the hit rates h1 (device), h2 (external) and
-h_all = h1 + (1 - h1) * h2 read from vLLM's /metrics. Stops the server it
-started.
+Long-document QA on vLLM instances whose device cache is too small for the
+documents, on the node's pool (a meta service process, started here from
+config files written for the run). Round 1 asks each document twice in a
+row on instance A (cold, then a device prefix-cache hit); round 2 asks
+every document again on A, after its device cache has moved on, so the
+prefix comes from the pool's DRAM tier; round 3 starts a second instance,
+B, and asks it every document: B has computed nothing, so its prefixes
+come from the KV that A saved. Prints TTFT per kind of request and the hit
+rates h1 (device), h2 (external) and h_all = h1 + (1 - h1) * h2 read from
+vLLM's /metrics, with where external hits came from. Stops everything it
+started. ``backend="embedded"`` runs rounds 1 and 2 on one instance with
+its own in-process pool instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from rich.console import Console
@@ -21,8 +29,9 @@ from rich.table import Table
 
 from kvtier.tools.client import RequestResult, hit_rates, scrape, stream_chat
 from kvtier.tools.corpus import QUESTIONS, documents
+from kvtier.tools.meta import MetaProcess
 from kvtier.tools.model import build_model
-from kvtier.tools.server import ServerOptions, VllmServer
+from kvtier.tools.server import ServerOptions, VllmServer, free_port
 
 
 @dataclass
@@ -35,6 +44,21 @@ class DemoOptions:
     dram_size: str = "1GB"
     max_tokens: int = 8
     log_path: str | None = None
+    backend: str = "pool"  # "pool": two instances on a meta service; "embedded": one instance
+
+
+def pool_configs(folder: Path, dram_size: str) -> tuple[Path, Path]:
+    """The two config files of a one-node pool on loopback, as a deployment writes them."""
+    port = free_port()
+    meta, local = folder / "mmc-meta.conf", folder / "mmc-local.conf"
+    meta.write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+                    f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n"
+                    "ock.mmc.evict_threshold_high = 90\nock.mmc.evict_threshold_low = 80\n")
+    local.write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+                     "ock.mmc.local_service.protocol = host_shm\n"
+                     f"ock.mmc.local_service.dram.size = {dram_size}\n"
+                     "ock.mmc.local_service.world_size = 1\n")
+    return meta, local
 
 
 def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
@@ -46,35 +70,66 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model)
     docs = documents(tok, opts.docs, opts.doc_tokens)
-    server_opts = ServerOptions(model=model, kvtier={"dram_size": opts.dram_size}, block_size=opts.block_size,
-                                num_gpu_blocks=opts.device_blocks, max_num_batched_tokens=2048)
-    console.print(f"starting vLLM with kvtier (device cache {opts.device_blocks * opts.block_size} tokens, "
-                  f"DRAM tier {opts.dram_size}); {opts.docs} documents of {opts.doc_tokens} tokens "
-                  f"from the Python library's own documentation")
+    pooled = opts.backend != "embedded"
+    kvtier_cfg = {"backend": "pool"} if pooled else {"dram_size": opts.dram_size}
+    console.print(f"device cache {opts.device_blocks * opts.block_size} tokens per instance, "
+                  f"{'pool' if pooled else 'embedded'} DRAM tier {opts.dram_size}; {opts.docs} documents of "
+                  f"{opts.doc_tokens} tokens from the Python library's own documentation")
     results: dict[str, list[RequestResult]] = {"cold": [], "device hit": [], "kvtier hit": []}
-    with VllmServer(server_opts, log_path=opts.log_path) as srv, httpx.Client() as client:
-        console.print(f"server ready at {srv.url}")
+    if pooled:
+        results["other instance"] = []
+    scrapes: dict[str, dict] = {}
+    log_base = Path(opts.log_path) if opts.log_path else None
+    with contextlib.ExitStack() as stack:
+        env: dict[str, str] = {}
+        if pooled:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-")))
+            meta_conf, local_conf = pool_configs(folder, opts.dram_size)
+            meta_log = log_base.with_name(log_base.stem + "-meta.log") if log_base else folder / "meta.log"
+            meta = stack.enter_context(MetaProcess(meta_conf, local_conf, log_path=meta_log))
+            env = meta.env_for_clients()
+            console.print(f"meta service (the node's pool) at {meta.address}, metrics {meta.metrics_url}/metrics")
 
-        def ask(doc: str, q: str, kind: str) -> None:
+        def server(name: str) -> VllmServer:
+            so = ServerOptions(model=model, kvtier=kvtier_cfg, block_size=opts.block_size,
+                               num_gpu_blocks=opts.device_blocks, max_num_batched_tokens=2048, env=env)
+            log = log_base.with_name(f"{log_base.stem}-{name}{log_base.suffix}") if log_base and pooled \
+                else opts.log_path
+            srv = stack.enter_context(VllmServer(so, log_path=log))
+            console.print(f"instance {name} ready at {srv.url}")
+            return srv
+
+        client = stack.enter_context(httpx.Client())
+
+        def ask(srv: VllmServer, doc: str, q: str, kind: str) -> None:
             msgs = [{"role": "system", "content": "Answer questions about the document."},
                     {"role": "user", "content": f"{doc}\n\nQuestion: {q}"}]
             r = stream_chat(client, srv.url, msgs, max_tokens=opts.max_tokens)
             if not r.ok:
                 raise RuntimeError(f"request failed: {r.error}")
             results[kind].append(r)
-            console.print(f"  {kind:<11} TTFT {r.ttft_s * 1000:7.1f} ms, cached {r.cached_tokens:5d} "
+            console.print(f"  {kind:<14} TTFT {r.ttft_s * 1000:7.1f} ms, cached {r.cached_tokens:5d} "
                           f"of {r.prompt_tokens} prompt tokens")
 
-        before = scrape(srv.url)
-        console.print("round 1: each document asked twice")
+        a = server("A")
+        scrapes["a0"] = scrape(a.url)
+        console.print("round 1: each document asked twice on A")
         for _, text in docs:
-            ask(text, QUESTIONS[0], "cold")
-            ask(text, QUESTIONS[0], "device hit")
-        mid = scrape(srv.url)
-        console.print("round 2: every document again, after the device cache moved on")
+            ask(a, text, QUESTIONS[0], "cold")
+            ask(a, text, QUESTIONS[0], "device hit")
+        scrapes["a1"] = scrape(a.url)
+        console.print("round 2: every document again on A, after its device cache moved on")
         for _, text in docs:
-            ask(text, QUESTIONS[0], "kvtier hit")
-        after = scrape(srv.url)
+            ask(a, text, QUESTIONS[0], "kvtier hit")
+        scrapes["a2"] = scrape(a.url)
+        if pooled:
+            b = server("B")
+            scrapes["b0"] = scrape(b.url)
+            console.print("round 3: every document on instance B, which has computed none of them")
+            for _, text in docs:
+                ask(b, text, QUESTIONS[0], "other instance")
+            scrapes["b1"] = scrape(b.url)
+        before, mid, after = scrapes["a0"], scrapes["a1"], scrapes["a2"]
 
     table = Table(title="TTFT by where the prompt's KV came from")
     table.add_column("request")
@@ -83,6 +138,9 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
     table.add_column("TTFT p50 (ms)", justify="right")
     table.add_column("cached tokens", justify="right")
     table.add_column("vs cold", justify="right")
+    table.add_column("KV from")
+    source = {"cold": "computed", "device hit": "A's device cache", "kvtier hit": "pool DRAM (A's own blocks)",
+              "other instance": "pool DRAM (blocks A saved)"}
     cold = statistics.mean(r.ttft_s for r in results["cold"])
     summary: dict = {"ttft_ms": {}}
     for kind, rs in results.items():
@@ -91,17 +149,22 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
         table.add_row(kind, str(len(rs)), f"{mean * 1000:.1f}",
                       f"{statistics.median(r.ttft_s for r in rs) * 1000:.1f}",
                       f"{statistics.mean(r.cached_tokens for r in rs):.0f}", f"{cold / mean:.1f}x faster"
-                      if kind != "cold" else "-")
+                      if kind != "cold" else "-", source[kind])
     console.print(table)
 
     rates = Table(title="Prefix-cache hit rates (from vLLM's /metrics)")
     for col in ("interval", "h1 device", "h2 external", "h_all", "tokens from host (DRAM)"):
         rates.add_column(col, justify="right")
-    for name, a, b in (("round 1", before, mid), ("round 2", mid, after), ("whole run", before, after)):
-        h = hit_rates(a, b)
+    intervals = [("round 1", before, mid), ("round 2", mid, after), ("rounds 1-2", before, after)]
+    if pooled:
+        intervals.append(("round 3 (B)", scrapes["b0"], scrapes["b1"]))
+    for name, x, y in intervals:
+        h = hit_rates(x, y)
         rates.add_row(name, f"{h.h1:.1%}", f"{h.h2:.1%}", f"{h.h_all:.1%}", f"{h.by_source.get('host', 0):.0f}")
         summary[name] = {"h1": h.h1, "h2": h.h2, "h_all": h.h_all, "external_tokens": h.external_tokens,
-                         "loaded_blocks": h.loaded_blocks, "load_errors": h.load_errors}
+                         "loaded_blocks": h.loaded_blocks, "load_errors": h.load_errors,
+                         "by_source": dict(h.by_source)}
     console.print(rates)
-    console.print(f"done in {time.monotonic() - t_start:.0f} s; server stopped")
+    console.print(f"done in {time.monotonic() - t_start:.0f} s; {'instances and meta service' if pooled else 'server'} "
+                  "stopped")
     return summary
