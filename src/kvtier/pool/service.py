@@ -354,10 +354,11 @@ class MetaService:
         reply: wire.Reply
         if isinstance(msg, wire.Probe):
             p = store.probe(msg.keys)
-            tally = self._lookups.setdefault(s.name, [0, 0, 0])
-            tally[0] += len(msg.keys)
-            tally[1] += p.ready
-            tally[2] += p.total - p.ready
+            with self._lock:
+                tally = self._lookups.setdefault(s.name, [0, 0, 0])
+                tally[0] += len(msg.keys)
+                tally[1] += p.ready
+                tally[2] += p.total - p.ready
             reply = wire.ProbeReply(msg.id, p.ready, p.total)
         elif isinstance(msg, wire.Pin):
             reply = wire.Slots(msg.id, [-1 if x is None else x for x in store.pin(msg.keys, msg.step, owner=owner)],

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from typing import Annotated
 
 import msgspec
 
@@ -29,6 +30,8 @@ PROTOCOL_VERSION = 1
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
 KEY_BYTES = 16
 _LEN = struct.Struct("<I")
+# A block key: exactly 16 bytes, checked by the decoder itself.
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 
 
 class WireError(Exception):
@@ -63,24 +66,24 @@ class Welcome(_Msg):
 
 class Probe(_Msg):
     id: int
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class Promote(_Msg):
     id: int
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class Pin(_Msg):
     id: int
     step: int
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class PrepareSave(_Msg):
     id: int
     step: int
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class CompleteStep(_Msg):
@@ -97,7 +100,7 @@ class AbandonSaves(_Msg):
 
 class Discard(_Msg):
     id: int
-    keys: list[bytes]
+    keys: list[Key]
 
 
 class DoomPending(_Msg):
@@ -172,7 +175,6 @@ ServerMessage = Welcome | Reply
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
-_KEYED = (Probe, Promote, Pin, PrepareSave, Discard)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -185,14 +187,9 @@ def encode(msg: msgspec.Struct) -> bytes:
 def decode_client(body: bytes) -> ClientMessage:
     """A message from an instance, schema-checked; keys must be 16 bytes."""
     try:
-        msg = _client_decoder.decode(body)
+        return _client_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
         raise WireError(str(err)) from None
-    if isinstance(msg, _KEYED):
-        for key in msg.keys:
-            if len(key) != KEY_BYTES:
-                raise WireError(f"a key of {len(key)} bytes (keys are {KEY_BYTES})")
-    return msg
 
 
 def decode_server(body: bytes) -> ServerMessage:
