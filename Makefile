@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import vllm, torch, kvtier.connector; print('kvtier ready: vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
+# Two test processes, one test file each at a time: most of a vLLM start is
+# single-threaded imports, so two of them overlap well on two cores.
 test: setup
-	$(PY) -m pytest tests -v --timeout=900
+	$(PY) -m pytest tests -v --timeout=900 -n 2 --dist loadfile --durations=30
 
 test-fast: setup
 	$(PY) -m pytest tests -v -m "not e2e"

@@ -133,22 +133,10 @@ def _flip_slot_bytes(path: str) -> None:
 
 
 def test_bad_config_stops_startup_with_one_clear_line(tiny_model, tmp_path):
-    opts = server_options(tiny_model, {"dram_size": "lots"})
-    srv = VllmServer(opts, log_path=tmp_path / "bad.log", startup_timeout_s=240)
-    with pytest.raises(ServerError):
-        srv.start()
-    srv.stop()
-    text = srv.log_text()
-    assert "kvtier config error: kv_connector_extra_config: dram_size = 'lots'" in text
-
-    opts = server_options(tiny_model, {"dram_size": "64MB", "colour": "blue"})
-    srv = VllmServer(opts, log_path=tmp_path / "bad2.log", startup_timeout_s=240)
-    with pytest.raises(ServerError):
-        srv.start()
-    srv.stop()
-    assert "kv_connector_extra_config: colour = 'blue': unknown key" in srv.log_text()
-
-    # A path the SSD tier refuses when it opens (here a directory) is one line too.
+    # Parsing errors (sizes, unknown keys, ranges) are unit-tested against
+    # the parser (test_config.py); this shows that an error raised while the
+    # engine builds the connector (here the SSD tier refusing a directory)
+    # reaches vLLM's log as one line and vLLM does not start.
     opts = server_options(tiny_model, {"dram_size": "64MB", "ssd_path": str(tmp_path)})
     srv = VllmServer(opts, log_path=tmp_path / "bad3.log", startup_timeout_s=240)
     with pytest.raises(ServerError):

@@ -24,8 +24,6 @@ from tests.e2e.conftest import BLOCK, complete, server_options, tokens
 
 pytestmark = pytest.mark.e2e
 
-SHM = "/dev/shm"
-
 _HOLDER = textwrap.dedent("""
     import fcntl, os, sys
     fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -58,12 +56,17 @@ def _wait_gone(srv: VllmServer, timeout_s: float) -> list[int]:
 
 
 def test_sigterm_to_the_api_server_removes_the_arena_and_cleanup_spares_live_ones(tiny_model, tmp_path):
+    # A shm_dir of this test's own: a server that other tests start at the
+    # same time must not be the one that cleans up the dead arena here.
+    shm = tmp_path / "shm"
+    shm.mkdir()
     pid = _unused_pid()
-    live = os.path.join(SHM, f"kvtier-dram-{pid}-other-container")
-    dead = os.path.join(SHM, f"kvtier-dram-{pid}-killed-engine")
+    live = os.path.join(shm, f"kvtier-dram-{pid}-other-container")
+    dead = os.path.join(shm, f"kvtier-dram-{pid}-killed-engine")
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, live], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
-    srv = VllmServer(server_options(tiny_model, {"dram_size": "64MB"}), log_path=tmp_path / "vllm.log")
+    srv = VllmServer(server_options(tiny_model, {"dram_size": "64MB", "shm_dir": str(shm)}),
+                     log_path=tmp_path / "vllm.log")
     try:
         assert holder.stdout.readline().strip() == "locked"
         open(dead, "wb").close()
@@ -71,8 +74,7 @@ def test_sigterm_to_the_api_server_removes_the_arena_and_cleanup_spares_live_one
         # Start-up cleanup: the unheld arena went, the held one of an invisible pid stayed.
         assert not os.path.exists(dead)
         assert os.path.exists(live)
-        # (Other dead engines' arenas may have gone too: /dev/shm is shared with whatever else ran here.)
-        assert re.search(r"kvtier: removed \d+ arenas left by dead processes", srv.log_text())
+        assert "kvtier: removed 1 arenas left by dead processes" in srv.log_text()
 
         arena = _arena_of(srv)
         assert os.path.exists(arena)
@@ -94,15 +96,17 @@ def test_sigterm_to_the_api_server_removes_the_arena_and_cleanup_spares_live_one
 
 
 def test_with_prefix_caching_off_kvtier_stays_inert(tiny_model, tmp_path):
-    opts = server_options(tiny_model, {"dram_size": "64MB"}, extra_args=["--no-enable-prefix-caching"])
-    before = set(os.listdir(SHM))
+    shm = tmp_path / "shm"  # its own, so that other servers' arenas do not count
+    shm.mkdir()
+    opts = server_options(tiny_model, {"dram_size": "64MB", "shm_dir": str(shm)},
+                          extra_args=["--no-enable-prefix-caching"])
     with VllmServer(opts, log_path=tmp_path / "vllm.log") as srv:
         prompt = tokens(2, 6 * BLOCK)
         first = complete(srv, prompt, max_tokens=4)
         again = complete(srv, prompt, max_tokens=4)
         text = srv.log_text()
         metrics = srv.metrics()
-        made = {n for n in set(os.listdir(SHM)) - before if n.startswith("kvtier-dram-")}
+        made = set(os.listdir(shm))
     assert again["text"] == first["text"]
     assert text.count("kvtier: off for this run: vLLM runs with prefix caching off") == 1
     assert "kvtier: DRAM tier" not in text
