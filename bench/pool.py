@@ -1,0 +1,581 @@
+"""The node pool: lookups through the meta service, calls as instances are added, TTFT across instances.
+
+Three measurements, each against a peer measured in the same run:
+
+* ``lookup`` (no vLLM): probe of a 64k-token request (4,096 keys of blocks
+  of 16 tokens, 1,024 keys of blocks of 64) through a meta service in its
+  own process (``python -m kvtier.meta`` started from generated config
+  files, as :class:`~kvtier.tools.meta.MetaProcess` does), over a Unix
+  socket and over TCP on loopback. Peer: the same calls on a store in this
+  process (:class:`~kvtier.placement.EmbeddedPlacement`, the embedded
+  backend) holding the same keys. The service's own time in its store
+  comes from its /metrics (``kvtier_pool_rpc_seconds``, mean): the rest of
+  a call is the wire (MessagePack both ways, the socket, two threads
+  waking). Also the round trip of an empty request (``Ping``) on a raw
+  session, the wire alone. Goal: p99 <= 1 ms through the service.
+* ``scale`` (no vLLM): 1, 2 and 4 client processes, each its own
+  :class:`~kvtier.pool.client.PoolPlacement` on one service, each looping
+  for ``--seconds`` over: save a new prefix of its own (prepare_save, seal
+  every slot as a worker does through ``DramTier.attach``, complete_step),
+  load the prefix all clients share (probe, pin, complete_step) and load its
+  own last prefix (probe, pin, complete_step). Pool calls per second in all
+  and per client, and the p50 / p99 of the shared prefix's probe as clients
+  are added. Peers: one client's rate, and the same loop on a store in this
+  process (no socket). The pool is small enough that saves evict all along.
+* ``ttft`` (runs vLLM CPU servers, one or two at a time): TTFT of an
+  8k-token prompt on instance B after instance A prefilled it (a DRAM hit
+  across instances, through the pool) against a device hit on A and
+  against the embedded backend's DRAM hit, all in the same run; and with
+  no prefix ever repeated, TTFT and throughput of two instances on the
+  pool against two instances of vLLM alone. Goals: cross-instance hit <=
+  1.15x the device hit and within 5 % of the embedded hit; 0 % hits within
+  3 % of vLLM alone.
+
+Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--json out.json]
+       lookup: [--tokens 65536] [--reps 1000]
+       scale:  [--clients 1,2,4] [--transport tcp|unix] [--shared-blocks 1024] [--own-blocks 32]
+       ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--concurrency 8] [--dram-size 2GB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kvtier.config import KvtierConfig
+from kvtier.keys import KeyNamespace, block_keys
+from kvtier.placement import EmbeddedPlacement, Placement, open_store
+from kvtier.pool import wire
+from kvtier.pool.client import PoolPlacement
+from kvtier.pool.service import parse_url
+from kvtier.tier.dram import DramTier, checksum
+from kvtier.tools.meta import MetaProcess
+from kvtier.tools.server import free_port, parse_metrics
+
+GOAL_LOOKUP_P99_US = 1000.0
+GOAL_DRAM_OVER_DEVICE = 1.15
+GOAL_POOL_OVER_EMBEDDED = 0.05  # within 5 %
+GOAL_NO_HIT = 0.03  # within 3 %
+RANK_BYTES = 4096  # the index's cost does not depend on the block's size; a small arena does
+RANKS = 1
+
+
+def percentiles_us(samples_s: Sequence[float], qs: Sequence[float] = (50, 99)) -> list[float]:
+    """Percentiles ``qs`` of durations in seconds, in microseconds (numpy's linear interpolation)."""
+    if not samples_s:
+        return [float("nan")] * len(qs)
+    return [float(v) for v in np.percentile(np.asarray(samples_s, dtype=np.float64) * 1e6, list(qs))]
+
+
+def shm_root() -> str:
+    """Where arenas go: /dev/shm, as in a deployment, unless it is missing."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+# --- a meta service in its own process -------------------------------------------
+
+
+def write_configs(folder: Path, url: str, dram_size: str, shm_dir: str) -> tuple[Path, Path]:
+    """The two files the seeds give ``kvtier meta``: one device of ``dram_size``, no SSD."""
+    meta = folder / "mmc-meta.conf"
+    meta.write_text(f"ock.mmc.meta_service_url = {url}\n"
+                    f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n"
+                    "ock.mmc.meta.lease_ttl_ms = 30000\n"
+                    "ock.mmc.evict_threshold_high = 90\n"
+                    "ock.mmc.evict_threshold_low = 80\n")
+    local = folder / "mmc-local.conf"
+    local.write_text(f"ock.mmc.meta_service_url = {url}\n"
+                     "ock.mmc.local_service.protocol = host_shm\n"
+                     f"ock.mmc.local_service.dram.size = {dram_size}\n"
+                     "ock.mmc.local_service.world_size = 1\n"
+                     "ock.mmc.local_service.storage.enabled = false\n"
+                     f"kvtier.shm_dir = {shm_dir}\n")
+    return meta, local
+
+
+@contextmanager
+def meta_service(transport: str, dram_size: str) -> Iterator[MetaProcess]:
+    """A meta service on a Unix socket or on TCP loopback, its files, socket,
+    log and arena in temporary folders removed on exit."""
+    folder = Path(tempfile.mkdtemp(prefix="kvtier-bench-pool-"))
+    shm = tempfile.mkdtemp(prefix="kvtier-bench-pool-", dir=shm_root())
+    url = f"unix://{folder}/meta.sock" if transport == "unix" else f"tcp://127.0.0.1:{free_port()}"
+    meta_conf, local_conf = write_configs(folder, url, dram_size, shm)
+    proc = MetaProcess(meta_conf, local_conf, log_path=folder / "meta.log")
+    try:
+        with proc:
+            yield proc
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@contextmanager
+def embedded_store(dram_size_bytes: int) -> Iterator[EmbeddedPlacement]:
+    """The embedded backend's store in this process, with the service's watermarks."""
+    shm = tempfile.mkdtemp(prefix="kvtier-bench-pool-", dir=shm_root())
+    cfg = KvtierConfig(dram_size_bytes=dram_size_bytes, shm_dir=shm, evict_threshold_high=90.0,
+                       evict_threshold_low=80.0)
+    placement = EmbeddedPlacement(open_store(cfg, os.path.join(shm, "arena"), RANK_BYTES, RANKS, bytes(16),
+                                             reaper=False))
+    try:
+        yield placement
+    finally:
+        placement.shutdown()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+class PingSession:
+    """A session on the raw wire: Hello, then empty requests. What a call
+    costs before the store does anything (framing, MessagePack, the socket,
+    the service's thread); the client's own lock and bookkeeping excluded."""
+
+    def __init__(self, url: str) -> None:
+        scheme, host, port = parse_url(url)
+        if scheme == "unix":
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(host)
+        else:
+            self.sock = socket.create_connection((host, port))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, os.environ.get("KVTIER_TOKEN", ""),
+                                                 "bench-ping", os.getpid(), RANKS, RANK_BYTES)))
+        self._expect(wire.Welcome)
+        self._id = 0
+
+    def _expect(self, kind: type) -> object:
+        body = wire.recv_frame(self.sock)
+        msg = wire.decode_server(body) if body is not None else None
+        if not isinstance(msg, kind):
+            raise RuntimeError(f"expected {kind.__name__} from the meta service, got {msg!r}")
+        return msg
+
+    def ping(self) -> None:
+        self._id += 1
+        self.sock.sendall(wire.encode(wire.Ping(self._id)))
+        self._expect(wire.Ok)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def seal(tier: DramTier, keys: Sequence[bytes], slots: Sequence[int | None]) -> None:
+    """What each worker does after copying its part of a block: checksum it and seal the slot."""
+    for key, slot in zip(keys, slots):
+        if slot is not None:
+            tier.seal(slot, key, 0, checksum(tier.rank_view(slot, 0)))
+
+
+def save(placement: Placement, tier: DramTier, keys: Sequence[bytes], step: int) -> int:
+    """prepare_save, seal, complete_step: one step's saves. Returns how many keys got a slot."""
+    slots = placement.prepare_save(keys, step)
+    seal(tier, keys, slots)
+    placement.complete_step(step)
+    return sum(s is not None for s in slots)
+
+
+def request_keys(seed: int, tokens: int, block: int) -> list[bytes]:
+    rng = random.Random(seed)
+    ids = [rng.randrange(16, 128_000) for _ in range(tokens)]
+    ns = KeyNamespace(model="bench-pool", dtype="torch.bfloat16", layout="cpu", block_tokens=block)
+    return block_keys(ns.seed(), ids, block)
+
+
+# --- lookup -----------------------------------------------------------------------
+
+
+def time_calls(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def service_probe_seconds(meta: MetaProcess) -> tuple[float, float]:
+    """(seconds, calls) the service has spent in its store on Probe so far (its /metrics)."""
+    m = parse_metrics(httpx.get(meta.metrics_url + "/metrics", timeout=10).text)
+    return (m.get('kvtier_pool_rpc_seconds_sum{call="Probe"}', 0.0),
+            m.get('kvtier_pool_rpc_seconds_count{call="Probe"}', 0.0))
+
+
+def run_lookup(args: argparse.Namespace) -> dict:
+    blocks = (16, 64)
+    requests = {b: request_keys(b, args.tokens, b) for b in blocks}
+    needed = sum(len(k) for k in requests.values())
+    # Room for both requests below the low watermark (80 %): nothing is evicted.
+    dram_bytes = -(-int(needed / 0.7 * (RANK_BYTES + 512)) // (2 << 20)) * (2 << 20)
+    rounds = 10  # the service's and the in-process probes alternate in rounds: both see the same noise
+    per_round = max(1, args.reps // rounds)
+    out: dict = {"tokens": args.tokens, "reps": per_round * rounds, "rows": []}
+
+    with embedded_store(dram_bytes) as local:
+        for b, keys in requests.items():
+            assert save(local, local.store.tier, keys, step=0) == len(keys)
+            assert local.probe(keys).ready == len(keys)
+        for transport in ("unix", "tcp"):
+            with meta_service(transport, str(dram_bytes)) as meta:
+                pool = PoolPlacement(meta.address, ranks=RANKS, rank_bytes=RANK_BYTES, name="bench-lookup")
+                tier = DramTier.attach(pool.arena_path)
+                try:
+                    for b, keys in requests.items():
+                        assert save(pool, tier, keys, step=b) == len(keys), "the pool had no room"
+                        assert pool.probe(keys).ready == len(keys)
+                    for b, keys in requests.items():
+                        remote: list[float] = []
+                        here: list[float] = []
+                        before = service_probe_seconds(meta)
+                        for _ in range(rounds):
+                            remote += time_calls(lambda: pool.probe(keys), per_round)
+                            here += time_calls(lambda: local.probe(keys), per_round)
+                        after = service_probe_seconds(meta)
+                        in_store = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+                        out["rows"].append({"transport": transport, "block": b, "keys": len(keys),
+                                            "service_s": remote, "embedded_s": here, "in_store_s": in_store})
+                    ping = PingSession(meta.address)
+                    try:
+                        time_calls(ping.ping, 50)
+                        out["rows"].append({"transport": transport, "block": 0, "keys": 0,
+                                            "service_s": time_calls(ping.ping, per_round * rounds),
+                                            "embedded_s": []})
+                    finally:
+                        ping.close()
+                finally:
+                    tier.close()
+                    pool.shutdown()
+    return out
+
+
+def print_lookup(res: dict) -> None:
+    print(f"\n## Lookup of a {res['tokens']}-token request through the meta service "
+          f"({res['reps']} calls each)\n")
+    print("| call | via | p50 (us) | p99 (us) | of which in the service's store, mean (us) | "
+          "in process p50 / p99 (us) | service / in process (p50) | goal: p99 <= 1000 us |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in res["rows"]:
+        s50, s99 = percentiles_us(row["service_s"])
+        via = "Unix socket" if row["transport"] == "unix" else "TCP loopback"
+        if not row["keys"]:
+            print(f"| round trip alone (Ping) | {via} | {s50:.0f} | {s99:.0f} | | | | |")
+            continue
+        e50, e99 = percentiles_us(row["embedded_s"])
+        print(f"| probe {row['keys']} keys (block {row['block']}) | {via} | {s50:.0f} | {s99:.0f} | "
+              f"{row['in_store_s'] * 1e6:.0f} | {e50:.0f} / {e99:.0f} | {s50 / e50:.2f}x | "
+              f"{s99 / GOAL_LOOKUP_P99_US:.2f}x of budget |")
+
+
+# --- scale ------------------------------------------------------------------------
+
+
+def scale_loop(placement: Placement, tier: DramTier, shared: list[bytes], seed: int, own_blocks: int,
+               seconds: float) -> dict:
+    """One instance's loop for ``seconds``: save a new prefix of its own, load the
+    shared prefix, load its own last prefix. Returns its counts and probe times."""
+    rng = random.Random(seed)
+    calls = loops = saved = loaded = 0
+    probe_s: list[float] = []
+    step = 0
+    last: list[bytes] = []
+    start = time.monotonic()
+    end = start + seconds
+    while time.monotonic() < end:
+        own = [rng.randbytes(16) for _ in range(own_blocks)]  # a new prompt's keys; hashing is not measured
+        step += 1
+        saved += save(placement, tier, own, step)
+        calls += 2
+        for keys in (shared, last):
+            if not keys:
+                continue
+            step += 1
+            t = time.perf_counter()
+            hit = placement.probe(keys).ready
+            if keys is shared:
+                probe_s.append(time.perf_counter() - t)
+            slots = placement.pin(keys[:hit], step) if hit else []
+            placement.complete_step(step)
+            loaded += sum(s is not None for s in slots)
+            calls += 3 if hit else 2
+        last = own
+        loops += 1
+    return {"calls": calls, "loops": loops, "saved": saved, "loaded": loaded, "probe_s": probe_s,
+            "seconds": time.monotonic() - start}
+
+
+def _client(url: str, shared: list[bytes], index: int, own_blocks: int, seconds: float,
+            ready: mp.Queue, go: mp.Event, results: mp.Queue) -> None:
+    """One client process: an instance's scheduler (its own session) and its workers (the mapped arena)."""
+    pool = PoolPlacement(url, ranks=RANKS, rank_bytes=RANK_BYTES, name=f"bench-client-{index}")
+    tier = DramTier.attach(pool.arena_path)
+    try:
+        ready.put(index)
+        go.wait()
+        res = scale_loop(pool, tier, shared, 1000 + index, own_blocks, seconds)
+        res["failures"] = pool.failures
+        results.put((index, res))
+    finally:
+        tier.close()
+        pool.shutdown()
+
+
+def run_clients(url: str, shared: list[bytes], n: int, own_blocks: int, seconds: float) -> list[dict]:
+    ctx = mp.get_context("spawn")  # the parent holds sockets and threads; a fork would copy them
+    ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_client, args=(url, shared, i, own_blocks, seconds, ready, go, results))
+             for i in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=120)  # connected and mapped: start-up is not measured
+        go.set()
+        got = dict(results.get(timeout=seconds + 120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return [got[i] for i in range(n)]
+
+
+def run_scale(args: argparse.Namespace) -> dict:
+    counts = [int(x) for x in args.clients.split(",")]
+    shared = request_keys(7, args.shared_blocks * 64, 64)
+    # The pool holds the shared prefix and a few seconds' worth of own
+    # prefixes at most: saves evict all along, as on a busy node.
+    dram_bytes = (args.shared_blocks + 256 * args.own_blocks) * (RANK_BYTES + 512)
+    dram_bytes = -(-dram_bytes // (2 << 20)) * (2 << 20)
+    out: dict = {"transport": args.transport, "seconds": args.seconds, "shared_blocks": len(shared),
+                 "own_blocks": args.own_blocks, "cpus": os.cpu_count(), "load_avg": os.getloadavg()[0],
+                 "runs": []}
+
+    with embedded_store(dram_bytes) as local:
+        save(local, local.store.tier, shared, step=0)
+        res = scale_loop(local, local.store.tier, shared, 999, args.own_blocks, args.seconds)
+        out["embedded"] = res
+
+    with meta_service(args.transport, str(dram_bytes)) as meta:
+        seeder = PoolPlacement(meta.address, ranks=RANKS, rank_bytes=RANK_BYTES, name="bench-seeder")
+        tier = DramTier.attach(seeder.arena_path)
+        try:
+            assert save(seeder, tier, shared, step=1) == len(shared), "the pool had no room"
+            out["num_slots"] = seeder.num_slots
+        finally:
+            tier.close()
+            seeder.shutdown()
+        for n in counts:
+            clients = run_clients(meta.address, shared, n, args.own_blocks, args.seconds)
+            out["runs"].append({"clients": n, "per_client": clients})
+        out["pool_counters"] = meta.health()
+    return out
+
+
+def print_scale(res: dict) -> None:
+    via = "Unix socket" if res["transport"] == "unix" else "TCP loopback"
+    print(f"\n## Pool calls as instances are added ({via}, {res['seconds']} s each, "
+          f"{res['cpus']} CPUs, load average {res['load_avg']:.1f} at start)\n")
+    print(f"Each loop: save {res['own_blocks']} new blocks (prepare_save, seal, complete_step), load the "
+          f"{res['shared_blocks']}-block shared prefix and its own last prefix "
+          "(probe, pin, complete_step).\n")
+    print("| instances | calls/s, all | calls/s per instance | loops/s, all | shared probe p50 / p99 (us) | "
+          "all / one instance | per instance / in process | p99 goal <= 1000 us |")
+    print("|---|---|---|---|---|---|---|---|")
+    emb = res["embedded"]
+    emb_rate = emb["calls"] / emb["seconds"]
+    e50, e99 = percentiles_us(emb["probe_s"])
+    print(f"| in process (embedded store, no socket) | {emb_rate:.0f} | {emb_rate:.0f} | "
+          f"{emb['loops'] / emb['seconds']:.0f} | {e50:.0f} / {e99:.0f} | | 1.00x | |")
+    one = None
+    for run in res["runs"]:
+        cl = run["per_client"]
+        rate = sum(c["calls"] / c["seconds"] for c in cl)
+        loops = sum(c["loops"] / c["seconds"] for c in cl)
+        p50, p99 = percentiles_us([x for c in cl for x in c["probe_s"]])
+        one = one or rate
+        failures = sum(c["failures"] for c in cl)
+        note = f" ({failures} calls missed: pool unreachable)" if failures else ""
+        print(f"| {run['clients']}{note} | {rate:.0f} | {rate / run['clients']:.0f} | {loops:.0f} | "
+              f"{p50:.0f} / {p99:.0f} | {rate / one:.2f}x | {rate / run['clients'] / emb_rate:.2f}x | "
+              f"{p99 / GOAL_LOOKUP_P99_US:.2f}x of budget |")
+
+
+# --- ttft (vLLM) -------------------------------------------------------------------
+
+
+def run_ttft(args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+
+    from kvtier.tools.client import stream_completion
+    from kvtier.tools.model import build_model
+    from kvtier.tools.server import ServerOptions, VllmServer
+
+    model = str(build_model(args.geometry))
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    logs = Path(tempfile.mkdtemp(prefix="kvtier-bench-pool-ttft-"))
+    common = dict(model=model, block_size=args.block, max_num_batched_tokens=args.chunk,
+                  max_model_len=args.prompt_tokens + 256)
+    hit_tokens = (args.prompt_tokens - 1) // args.block * args.block  # one token is always computed
+
+    def prompt(seed: int, n: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(16, vocab) for _ in range(n)]
+
+    def ttft(client: httpx.Client, srv: VllmServer, p: list[int]) -> float:
+        r = stream_completion(client, srv.url, p, max_tokens=4)
+        if not r.ok:
+            raise RuntimeError(r.error)
+        return r.ttft_s
+
+    def no_hits(client: httpx.Client, a: VllmServer, b: VllmServer, seed0: int) -> dict:
+        """Distinct prompts, none repeated: TTFT one at a time (A and B in
+        turn), then throughput of concurrent 2k-token prompts split over both."""
+        ttfts = [ttft(client, (a, b)[i % 2], prompt(seed0 + i, args.prompt_tokens))
+                 for i in range(args.rounds)]
+        prompts = [prompt(seed0 + 1000 + i, 2048) for i in range(args.concurrency)]
+        t = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as ex:
+            rs = list(ex.map(lambda ip: stream_completion(client, (a, b)[ip[0] % 2].url, ip[1], max_tokens=64,
+                                                          ignore_eos=True), enumerate(prompts)))
+        wall = time.perf_counter() - t
+        if not all(r.ok for r in rs):
+            raise RuntimeError([r.error for r in rs if not r.ok])
+        tokens = sum(r.prompt_tokens + r.completion_tokens for r in rs)
+        return {"ttft_s": statistics.median(ttfts), "ttfts": ttfts, "tokens_per_s": tokens / wall}
+
+    def server(name: str, kvtier: dict | None, env: dict | None = None) -> VllmServer:
+        return VllmServer(ServerOptions(kvtier=kvtier, env=env or {}, **common),
+                          log_path=logs / f"vllm-{name}.log")
+
+    out: dict = {"geometry": args.geometry, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
+                 "logs": str(logs)}
+    with httpx.Client(timeout=600) as client:
+        # 1. vLLM alone, two instances: the 0 % hits peer.
+        with server("plain-a", None) as a, server("plain-b", None) as b:
+            for s in (a, b):
+                ttft(client, s, prompt(999, 256))  # the first request pays one-time set-up
+            out["plain"] = no_hits(client, a, b, seed0=10_000)
+
+        # 2. The embedded backend, one instance: its DRAM hit is the peer of the pool's.
+        with server("embedded", {"dram_size": args.dram_size}) as e:
+            ttft(client, e, prompt(999, 256))
+            dram = []
+            for i in range(args.rounds):
+                p = prompt(20_000 + i, args.prompt_tokens)
+                ttft(client, e, p)  # cold
+                ttft(client, e, p)  # device hit: the saves of the prefill have settled
+                e.reset_prefix_cache()  # the device cache forgets; kvtier keeps
+                dram.append(ttft(client, e, p))
+            out["embedded"] = {"dram_s": dram}
+
+        # 3. Two instances on one meta service.
+        with meta_service("tcp", args.dram_size) as meta:
+            env = meta.env_for_clients()
+            pool_cfg = {"backend": "pool"}  # the service's address: from the files env names, as the seeds do
+            with server("pool-a", pool_cfg, env) as a, server("pool-b", pool_cfg, env) as b:
+                for s in (a, b):
+                    ttft(client, s, prompt(999, 256))
+                cold, device, cross, same = [], [], [], []
+                before = b.metrics()
+                for i in range(args.rounds):
+                    p = prompt(30_000 + i, args.prompt_tokens)
+                    cold.append(ttft(client, a, p))
+                    device.append(ttft(client, a, p))
+                    cross.append(ttft(client, b, p))  # B never saw it: from the pool, prefilled by A
+                    a.reset_prefix_cache()
+                    same.append(ttft(client, a, p))  # A's own blocks, back from the pool
+                after = b.metrics()
+                out["pool"] = no_hits(client, a, b, seed0=40_000)
+                out["pool"].update(cold_s=cold, device_s=device, cross_s=cross, same_s=same)
+                got = {k: after.get(k, 0.0) - before.get(k, 0.0)
+                       for k in ("vllm:external_prefix_cache_hits_total", "kvtier_blocks_loaded_total",
+                                 "kvtier_load_errors_total")}
+                out["pool"]["b_counters"] = got
+                out["pool"]["b_expected_hit_tokens"] = hit_tokens * args.rounds
+    return out
+
+
+def print_ttft(res: dict) -> None:
+    med = statistics.median
+    pool, plain = res["pool"], res["plain"]
+    device, cross, same = med(pool["device_s"]), med(pool["cross_s"]), med(pool["same_s"])
+    emb = med(res["embedded"]["dram_s"])
+    ttft_ratio = pool["ttft_s"] / plain["ttft_s"]
+    tput_ratio = pool["tokens_per_s"] / plain["tokens_per_s"]
+    print(f"\n## TTFT across instances on the node pool, {res['prompt_tokens']}-token prompt, model "
+          f"'{res['geometry']}', {res['rounds']} rounds (median)\n")
+    print("| measure | value | peer | ratio | goal |")
+    print("|---|---|---|---|---|")
+    print(f"| TTFT cold, instance A | {med(pool['cold_s']) * 1000:.0f} ms | | | |")
+    print(f"| TTFT device hit, instance A | {device * 1000:.1f} ms | | | |")
+    print(f"| TTFT pool DRAM hit, instance B (A prefilled) | {cross * 1000:.1f} ms | device hit on A | "
+          f"{cross / device:.2f}x | <= {GOAL_DRAM_OVER_DEVICE:.2f}x |")
+    print(f"| TTFT pool DRAM hit, instance B | {cross * 1000:.1f} ms | "
+          f"embedded DRAM hit {emb * 1000:.1f} ms | "
+          f"{cross / emb:.3f}x | within {GOAL_POOL_OVER_EMBEDDED:.0%} |")
+    print(f"| TTFT pool DRAM hit, instance A (own blocks) | {same * 1000:.1f} ms | device hit on A | "
+          f"{same / device:.2f}x | |")
+    print(f"| TTFT, 0 % hits, two instances on the pool | {pool['ttft_s'] * 1000:.0f} ms | vLLM alone "
+          f"{plain['ttft_s'] * 1000:.0f} ms | {ttft_ratio:.3f}x | within {GOAL_NO_HIT:.0%} |")
+    print(f"| throughput, 0 % hits, two instances on the pool | {pool['tokens_per_s']:.0f} tok/s | "
+          "vLLM alone "
+          f"{plain['tokens_per_s']:.0f} tok/s | {tput_ratio:.3f}x | within {GOAL_NO_HIT:.0%} |")
+    c = pool["b_counters"]
+    print(f"\nInstance B: {c['vllm:external_prefix_cache_hits_total']:.0f} tokens hit in the pool (expected "
+          f"{pool['b_expected_hit_tokens']}), {c['kvtier_blocks_loaded_total']:.0f} blocks loaded, "
+          f"{c['kvtier_load_errors_total']:.0f} load errors. Server logs: {res['logs']}")
+
+
+# --- main -------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("lookup", "scale", "ttft", "all"))
+    ap.add_argument("--json", default=None, help="write every sample and count here")
+    ap.add_argument("--tokens", type=int, default=65536, help="lookup: tokens of the request")
+    ap.add_argument("--reps", type=int, default=1000, help="lookup: calls per measure")
+    ap.add_argument("--seconds", type=float, default=10.0, help="scale: seconds per number of instances")
+    ap.add_argument("--clients", default="1,2,4", help="scale: numbers of client processes")
+    ap.add_argument("--transport", choices=("tcp", "unix"), default="tcp", help="scale: the service's socket")
+    ap.add_argument("--shared-blocks", type=int, default=1024, help="scale: blocks of the prefix all share")
+    ap.add_argument("--own-blocks", type=int, default=32, help="scale: blocks each client saves per loop")
+    ap.add_argument("--geometry", default="bench", help="ttft: test model (kvtier.tools.model.GEOMETRIES)")
+    ap.add_argument("--prompt-tokens", type=int, default=8192, help="ttft")
+    ap.add_argument("--rounds", type=int, default=5, help="ttft: prompts per measure")
+    ap.add_argument("--concurrency", type=int, default=8, help="ttft: concurrent prompts for throughput")
+    ap.add_argument("--dram-size", default="2GB", help="ttft: DRAM of the embedded store and of the pool")
+    ap.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")
+    ap.add_argument("--chunk", type=int, default=2048, help="ttft: --max-num-batched-tokens")
+    args = ap.parse_args(argv)
+
+    results: dict = {}
+    steps = [("lookup", run_lookup, print_lookup), ("scale", run_scale, print_scale),
+             ("ttft", run_ttft, print_ttft)]
+    for name, run, show in steps:
+        if args.what in (name, "all"):
+            results[name] = run(args)
+            show(results[name])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
