@@ -179,7 +179,7 @@ def seal(tier: DramTier, keys: Sequence[bytes], slots: Sequence[int | None]) -> 
     """What each worker does after copying its part of a block: checksum it and seal the slot."""
     for key, slot in zip(keys, slots):
         if slot is not None:
-            tier.seal(slot, key, 0, checksum(tier.rank_view(slot, 0)))
+            tier.seal(slot, key, 0, checksum(tier.rank_view(slot, 0), key))
 
 
 def save(placement: Placement, tier: DramTier, keys: Sequence[bytes], step: int) -> int:

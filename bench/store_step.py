@@ -65,7 +65,7 @@ def seal(store: TieredStore, keys: list[bytes], slots: Sequence[int | None]) -> 
     tier = store.tier
     for k, slot in zip(keys, slots):
         if slot is not None:
-            tier.seal(slot, k, 0, checksum(tier.rank_view(slot, 0)))
+            tier.seal(slot, k, 0, checksum(tier.rank_view(slot, 0), k))
 
 
 def measure(entries: int, steps: int, saves: int, shm_dir: str, ssd_dir: str) -> dict[str, float]:

@@ -31,6 +31,7 @@ TESTS = [
     "tests/unit/test_connector_failsafe.py", "tests/unit/test_connector_guards.py", "tests/unit/test_dram.py",
     "tests/unit/test_store.py", "tests/unit/test_store_ssd.py", "tests/unit/test_ssd.py",
     "tests/unit/test_layout_copy.py", "tests/unit/test_connector_stats.py",
+    "tests/unit/test_store_sessions.py", "tests/unit/test_pool_service.py", "tests/unit/test_pool_restart.py",
 ]
 
 
@@ -56,12 +57,22 @@ MUTANTS = [
     Mutant("scheduler: a step reported by fewer than all ranks accepted", "src/kvtier/connector/scheduler.py",
            "if n >= self.ranks:", "if n >= 1:"),
     Mutant("dram: data checksum not compared", "src/kvtier/tier/dram.py",
-           "return not check_data or checksum(self.rank_view(slot, rank)) == int(h[\"checksum\"][rank])",
+           "return not check_data or checksum(self.rank_view(slot, rank), key) == int(h[\"checksum\"][rank])",
            "return True"),
     Mutant("store: failed save slots published", "src/kvtier/store.py",
            "if e.slot in failed or e.doomed:", "if False:"),
     Mutant("ssd: data checksum not compared on read", "src/kvtier/tier/ssd.py",
            "return xxhash.xxh3_64_intdigest(out) == rec.checksum", "return True"),
+    Mutant("pool: a dead instance's pins and unwritten saves kept", "src/kvtier/pool/service.py",
+           "pins, pending = store.end_session(s.id, hold_until=time.monotonic() + self._grace_s)", "pass"),
+    Mutant("pool: token not checked", "src/kvtier/pool/service.py",
+           "if self.opts.token and not hmac.compare_digest(msg.token.encode(), self.opts.token.encode()):",
+           "if False:"),
+    Mutant("pool: key length not checked on the wire", "src/kvtier/pool/wire.py",
+           "Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]", "Key = bytes"),
+    Mutant("dram: unpublished blocks adopted after a restart", "src/kvtier/tier/dram.py",
+           'if key == empty or not h["published"] or not h["ready"][: self.ranks].all():',
+           'if key == empty or not h["ready"][: self.ranks].all():'),
 ]
 
 

@@ -181,6 +181,10 @@ class KvtierConfig:
     token: str = ""
 
     def __post_init__(self) -> None:
+        if self.backend.shared and not self.verify_checksums:
+            # On a shared pool a slot can be rewritten under a reader whose
+            # session ended (lease, reconnect): only the checksum catches it.
+            raise ConfigError("verify_checksums", False, "must stay on with a shared pool (backend pool/memcache)")
         pairs = (("evict_threshold_low", "evict_threshold_high"),
                  ("ssd_evict_threshold_low", "ssd_evict_threshold_high"))
         for low, high in pairs:

@@ -251,7 +251,7 @@ class TierMover:
         hdr = tier.header(slot)
         if hdr.key != key or hdr.ready_mask != (1 << tier.ranks) - 1:
             return False
-        return all(checksum(tier.rank_view(slot, r)) == checksums[r] for r in range(tier.ranks))
+        return all(checksum(tier.rank_view(slot, r), key) == checksums[r] for r in range(tier.ranks))
 
     def _promote(self, jobs: list[PromoteJob]) -> None:
         ssd, tier = self._ssd, self._tier
@@ -267,7 +267,7 @@ class TierMover:
                     # just verified against it, and every rank is sealed.
                     ranks = tier.ranks
                     tier.seal_all(slot, key, (1 << ranks) - 1,
-                                  tuple(checksum(tier.rank_view(slot, r)) for r in range(ranks)))
+                                  tuple(checksum(tier.rank_view(slot, r), key) for r in range(ranks)))
             except TierIOError as err:
                 log.warning("kvtier: reading a block from SSD failed: %s", err)
                 ok, io_error = False, True

@@ -211,6 +211,8 @@ class TieredStore:
         # Per session (owner), per step of that owner: the keys of the PENDING
         # entries it created, and the keys it pinned (once per pin).
         self._pending: dict[int, dict[int, list[bytes]]] = {}
+        # Slots out of use until a time of the caller's clock (end_session, hold_slots).
+        self._held: list[tuple[float, list[int]]] = []
         self._last_eviction_log = self._last_ssd_eviction_log = float("-inf")  # the first one always logs
         # Re-entrant: a job's done-callback may run on the thread that submitted it.
         self._lock = threading.RLock()
@@ -510,25 +512,59 @@ class TieredStore:
                 self._pending.pop(owner, None)
             return n
 
-    def end_session(self, owner: int) -> tuple[int, int]:
+    def end_session(self, owner: int, hold_until: float | None = None) -> tuple[int, int]:
         """Forget ``owner``, whose client died or whose lease expired: release
         every pin it holds (a doomed entry left free is dropped) and drop every
-        PENDING entry it created (no writer will seal it; its slot is free
-        again). Afterwards the store holds nothing of ``owner``: a late
-        :meth:`complete_step` of it finds nothing to settle. Returns (pins
-        released, PENDING entries dropped).
+        PENDING entry it created (no writer will seal it). Afterwards the store
+        holds nothing of ``owner``: a late :meth:`complete_step` of it finds
+        nothing to settle. Returns (pins released, PENDING entries dropped).
 
-        The slots are reused at once: the caller makes sure that the owner's
-        workers no longer write into them.
+        ``hold_until``: the dropped entries' slots are held out of use until
+        :meth:`release_held` is called with a time at or past it (the
+        caller's clock): a worker of a client that stopped answering may
+        still be writing into them, and a slot handed to another writer
+        meanwhile could end up holding a mix of both. None: free at once
+        (the caller knows the workers are gone).
         """
         with self._lock:
             unpinned = 0
             for keys in self._pins.pop(owner, {}).values():
                 self._unpin(keys)
                 unpinned += len(keys)
+            free_before = len(self._free)
             dropped = sum(self._drop_pending(owner, s, keys)
                           for s, keys in self._pending.pop(owner, {}).items())
+            if hold_until is not None and dropped:
+                # _drop appended the slots last: move them to the held list.
+                self._held.append((hold_until, self._free[free_before:]))
+                del self._free[free_before:]
             return unpinned, dropped
+
+    def hold_slots(self, slots: Iterable[int], until: float) -> int:
+        """Take free ``slots`` out of use until ``until`` (see :meth:`end_session`):
+        slots of an adopted arena that a dead owner's writers may still fill."""
+        with self._lock:
+            want = set(slots) & set(self._free)
+            if want:
+                self._free = [x for x in self._free if x not in want]
+                self._held.append((until, sorted(want)))
+            return len(want)
+
+    def release_held(self, now: float) -> int:
+        """Free the held slots whose time has come; returns how many."""
+        with self._lock:
+            due = [slots for t, slots in self._held if t <= now]
+            if not due:
+                return 0
+            self._held = [(t, slots) for t, slots in self._held if t > now]
+            for slots in due:
+                self._free.extend(slots)
+            return sum(len(x) for x in due)
+
+    @property
+    def held_slots(self) -> int:
+        with self._lock:
+            return sum(len(x) for _, x in self._held)
 
     def session_holds(self, owner: int) -> tuple[int, int]:
         """(pins held, PENDING entries) of ``owner``: what :meth:`end_session` would release."""

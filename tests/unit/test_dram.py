@@ -27,7 +27,7 @@ def _fill(view: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def _seal(tier: DramTier, slot: int, key: bytes, rank: int) -> None:
-    tier.seal(slot, key, rank, checksum(tier.rank_view(slot, rank)))
+    tier.seal(slot, key, rank, checksum(tier.rank_view(slot, rank), key))
 
 
 # --- geometry -------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_fresh_slot_is_not_sealed(make_tier) -> None:
 def test_seal_then_verify(make_tier) -> None:
     tier = make_tier(1 << 16, 4096)
     _fill(tier.rank_view(3), seed=1)
-    digest = checksum(tier.rank_view(3))
+    digest = checksum(tier.rank_view(3), KEY_A)
     tier.seal(3, KEY_A, 0, digest)
     h = tier.header(3)
     assert h.key == KEY_A
@@ -239,7 +239,7 @@ _CHILD = textwrap.dedent("""
     # Write slot 2 for the parent to read.
     view = tier.rank_view(2)
     view.copy_(torch.arange(view.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
-    tier.seal(2, key_b, 0, checksum(view))
+    tier.seal(2, key_b, 0, checksum(view, key_b))
     del view
     tier.close()
     print("ok")
@@ -535,3 +535,17 @@ def test_the_reaper_of_a_closed_arena_exits(shm_dir: str) -> None:
     tier.close()
     assert _wait_until(lambda: _reapers_of(path) == [])
     assert os.listdir(shm_dir) == []
+
+
+def test_a_part_sealed_for_one_key_never_verifies_under_another(make_tier) -> None:
+    """A late writer of an ended session seals its part for its key; the
+    slot's last seal names another key: the checksum, seeded with the key,
+    still tells the parts apart."""
+    tier = make_tier(1 << 16, 4096, ranks=2)
+    _fill(tier.rank_view(1, 0), seed=3)
+    _fill(tier.rank_view(1, 1), seed=4)
+    tier.seal(1, KEY_A, 0, checksum(tier.rank_view(1, 0), KEY_A))  # the late writer's part
+    tier.seal(1, KEY_B, 1, checksum(tier.rank_view(1, 1), KEY_B))  # the new owner's, sealed last
+    assert tier.is_sealed(1, KEY_B)  # the header alone looks whole
+    assert not tier.verify(1, KEY_B, 0)
+    assert tier.verify(1, KEY_B, 1)

@@ -67,7 +67,7 @@ def test_the_arena_lives_on_whole_huge_pages(hugetlbfs: str) -> None:
         # Data, seal and verify work through the mapping, and a worker attaches.
         view = tier.rank_view(tier.num_slots - 1, 0)
         view.copy_(torch.arange(view.numel(), dtype=torch.int64).to(torch.uint8))
-        tier.seal(tier.num_slots - 1, b"k" * 16, 0, checksum(view))
+        tier.seal(tier.num_slots - 1, b"k" * 16, 0, checksum(view, b"k" * 16))
         other = DramTier.attach(path)
         try:
             assert other.num_slots == tier.num_slots

@@ -243,7 +243,7 @@ def test_sealed_gather_survives_a_reattach(make_tier, shm_path: str, capacity_fo
     owner = make_tier(capacity_for(3, layout.block_bytes), layout.block_bytes)
     key = bytes(range(16))
     gather_blocks(layers, layout, [4], rank_slots(owner, 0, layout), [2])
-    owner.seal(2, key, 0, checksum(owner.rank_view(2, 0)))
+    owner.seal(2, key, 0, checksum(owner.rank_view(2, 0), key))
 
     reader = DramTier.attach(shm_path)
     try:

@@ -113,7 +113,7 @@ def fill(store: TieredStore, keys: list[bytes], slots: list[int | None]) -> None
         if slot is not None:
             view = store.tier.rank_view(slot, 0)
             view.copy_(torch.frombuffer(bytearray(block(key)), dtype=torch.uint8))
-            store.tier.seal(slot, key, 0, checksum(view))
+            store.tier.seal(slot, key, 0, checksum(view, key))
 
 
 def save(store: TieredStore, keys: list[bytes], step: int) -> list[int | None]:

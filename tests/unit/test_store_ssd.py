@@ -170,7 +170,7 @@ def save(store: TieredStore, keys: list[bytes], step: int) -> list[int | None]:
         if slot is not None:
             view = tier.rank_view(slot, 0)
             view.copy_(torch.frombuffer(bytearray(block(key)), dtype=torch.uint8))
-            tier.seal(slot, key, 0, checksum(view))
+            tier.seal(slot, key, 0, checksum(view, key))
     store.complete_step(step)
     return slots
 

@@ -44,7 +44,7 @@ class DramAdapter:
     def put(self, slot: int, key: bytes, data: bytes) -> None:
         view = self.tier.rank_view(slot, 0)
         view.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.tier.seal(slot, key, 0, checksum(view))
+        self.tier.seal(slot, key, 0, checksum(view, key))
 
     def get(self, slot: int, key: bytes) -> bytes | None:
         if not self.tier.verify(slot, key, 0):

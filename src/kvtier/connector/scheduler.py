@@ -265,6 +265,9 @@ class SchedulerSide:
             # later step: the mark stops there (blocks after it that did get
             # a slot are held by then, and skipped).
             st.saved_blocks = pairs[slots.placed][0] if slots.placed < len(pairs) else n_full
+        # The arena of the placement as it is now, after this step's calls: a
+        # reconnection to a restarted service during them may have changed it.
+        plan.arena = self.store.arena_path
         self._loads_this_step = []
         self._step += 1
         return plan

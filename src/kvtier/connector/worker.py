@@ -223,7 +223,7 @@ class WorkerSide:
         try:
             gather_blocks(self._layers, self.layout, blocks, self._slots, slots)
             for c in plan.saves:
-                self._tier.seal(c.slot, c.key, self.rank, checksum(self._tier.rank_view(c.slot, self.rank)))
+                self._tier.seal(c.slot, c.key, self.rank, checksum(self._tier.rank_view(c.slot, self.rank), c.key))
         except Exception:  # noqa: BLE001 - a failed save is only a future miss
             log.exception("kvtier: saving %d blocks failed", len(blocks))
             report.failed_slots.extend(slots)

@@ -183,7 +183,10 @@ class PoolPlacement:
             if (self._sock is None and now >= self._retry_at) or \
                     (self._sock is not None and now - self._last_call >= period):
                 # Idle: keep the leases; down: reconnect without waiting for a request.
-                self._call(wire.Ping(0))
+                try:
+                    self._call(wire.Ping(0))
+                except Exception:  # noqa: BLE001 - the pinger must outlive any one failure
+                    log.exception("kvtier: pinging the meta service failed")
 
     @property
     def connected(self) -> bool:

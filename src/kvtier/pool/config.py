@@ -260,6 +260,8 @@ _CLIENT_WHY = "instances copy blocks in their own worker processes; SSD I/O thre
 _HBM_WHY = "device memory stays vLLM's own prefix cache; the pool is host DRAM only"
 _FLUSH_WHY = "kvtier writes to SSD while evicting and cleaning DRAM, not on a flush timer"
 _MISC_WHY = "a MemCache feature kvtier does not have"
+_TIMEOUT_WHY = ("an instance waits at most 2 s for one answer of the meta service, then answers a miss and "
+                "reconnects with a backoff of 0.1 s doubling to 5 s, so the engine never waits on the pool")
 _UBSIO_WHY = "UBS-IO's own tuning; kvtier's SSD tier does its own direct I/O"
 
 KEYS: dict[str, PoolKey] = {k.name: k for k in [
@@ -274,7 +276,7 @@ KEYS: dict[str, PoolKey] = {k.name: k for k in [
     _used("ock.mmc.evict_threshold_high", "evict_threshold_high", parse_int_range(1, 100), "meta", "90"),
     _used("ock.mmc.evict_threshold_low", "evict_threshold_low", parse_int_range(1, 99), "meta", "60"),
     _used("ock.mmc.rewarm.dram_watermark", "rewarm_dram_watermark", parse_int_range(1, 100), "meta", "95"),
-    _used("ock.mmc.meta.lease_ttl_ms", "lease_ttl_ms", parse_int_range(1, 600_000), "meta", "30000"),
+    _used("ock.mmc.meta.lease_ttl_ms", "lease_ttl_ms", parse_int_range(6_000, 600_000), "meta", "30000"),
     *_ignored("ock.mmc.evict_check_interval_seconds", _EVICT_WHY, parse_int_range(1, 3600), example="5"),
     *_ignored("ock.mmc.evict_yield_interval", _EVICT_WHY, parse_int_range(0, 1 << 20), example="0"),
     *_ignored("ock.mmc.evict_yield_duration_us", _EVICT_WHY, parse_int_range(0, 10_000_000), example="0"),
@@ -302,8 +304,8 @@ KEYS: dict[str, PoolKey] = {k.name: k for k in [
     *_ignored("ock.mmc.local_service.backend_id ock.mmc.local_service.tag ock.mmc.local_service.tag_op_info",
               "kvtier has one pool per node", owner="local", example="0"),
     # Client of the meta service
-    _used("ock.mmc.client.timeout.seconds", "client_timeout_s", parse_int_range(1, 600), "local", "60"),
-    _used("ock.mmc.client.retry_milliseconds", "client_retry_ms", parse_int_range(0, 600_000), "local", "0"),
+    *_ignored("ock.mmc.client.timeout.seconds", _TIMEOUT_WHY, parse_int_range(1, 600), "local", "60"),
+    *_ignored("ock.mmc.client.retry_milliseconds", _TIMEOUT_WHY, parse_int_range(0, 600_000), "local", "0"),
     *_ignored("ock.mmc.client.read_thread_pool.size ock.mmc.client.write_thread_pool.size", _CLIENT_WHY,
               parse_int_range(1, 64), "local", "32"),
     *_ignored("ock.mmc.client.aggregate.io", _CLIENT_WHY, parse_bool, "local", "true"),
@@ -417,8 +419,6 @@ class PoolConfig:
     ssd_size_bytes: int | None = None
     force_new_disk: bool = False
     lease_ttl_ms: int = 10_000
-    client_timeout_s: int = 60
-    client_retry_ms: int = 0
     token: str | None = field(default=None, repr=False)
     shm_dir: str = "/dev/shm"
     io_threads: int = 4
@@ -488,12 +488,14 @@ def _read_conf(path: str, what: str = "config file") -> dict[str, _Setting]:
         if not key:
             raise ConfigError(f"line {n}", line, "no key before '='", path)
         source = f"{path}:{n}"
+        # A value that may be a secret is never written into a message.
+        shown = "<hidden>" if "token" in key.lower() else value
         spec = KEYS.get(key)
         if spec is None:
             closest = difflib.get_close_matches(key.lower(), KEYS, n=1, cutoff=0.0)  # keys are lower case
-            raise ConfigError(key, value, f"unknown key; the closest known key is {closest[0]}", source)
+            raise ConfigError(key, shown, f"unknown key; the closest known key is {closest[0]}", source)
         if key in out:
-            raise ConfigError(key, value, f"given twice in this file (first at {out[key].source})", source)
+            raise ConfigError(key, shown, f"given twice in this file (first at {out[key].source})", source)
         out[key] = _Setting(value, source, spec.parse(key, value, source))
     return out
 

@@ -121,9 +121,12 @@ class PoolHttp:
                 http._dispatch(self, None)
 
             def do_POST(self) -> None:  # noqa: N802
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > 1 << 20:
-                    _reply(self, 413, {"error": "body over 1 MiB"})
+                try:
+                    n = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    n = -1
+                if not 0 <= n <= 1 << 20:
+                    _reply(self, 413, {"error": "Content-Length must be 0 to 1 MiB"})
                     return
                 http._dispatch(self, self.rfile.read(n))
 

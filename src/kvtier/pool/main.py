@@ -59,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
         http.start()
     except ConfigError as err:
         log.error("%s", err)
-        svc.stop()
+        svc.stop(keep_adoptable=True)
+        return 2
+    except OSError as err:
+        log.error("kvtier meta: cannot start: %s", err)
+        svc.stop(keep_adoptable=True)
         return 2
     log.info("kvtier meta: serving the node pool at %s; metrics at %s/metrics (files: %s)", svc.address, http.url,
              ", ".join(cfg.sources) or "none, defaults")

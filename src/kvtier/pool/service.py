@@ -37,6 +37,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from kvtier.tier.dram import DramTier, remove_stale_files
 log = logging.getLogger(__name__)
 
 ARENA_PREFIX = "kvtier-pool-"
+HELLO_MAX = 64 << 10  # bytes a handshake may take, before the client is known
 _LOW_STEP = -(1 << 62)
 
 
@@ -93,6 +95,9 @@ class ServiceOptions:
     url: str = "tcp://127.0.0.1:5000"
     store: KvtierConfig = field(default_factory=KvtierConfig)
     lease_ttl_ms: int = 10_000
+    # How long slots a dead session was writing stay out of use (its workers
+    # may still write); None: three lease periods.
+    slot_grace_ms: int | None = None
     token: str | None = None
     name: str = ""  # names the arena; by default from the URL
 
@@ -103,6 +108,7 @@ class MetaService:
         self._where = parse_url(opts.url)
         tag = opts.name or xxhash.xxh64_hexdigest(opts.url.encode())[:12]
         self._arena_stem = os.path.join(opts.store.shm_dir, f"{ARENA_PREFIX}{tag}-")
+        self._grace_s = (opts.slot_grace_ms if opts.slot_grace_ms is not None else 3 * opts.lease_ttl_ms) / 1000
         self.store: TieredStore | None = None
         self._adoptable: DramTier | None = None  # a dead service's arena, owned now, not yet in use
         self.geometry: tuple[int, int] | None = None  # (ranks, rank_bytes)
@@ -156,8 +162,12 @@ class MetaService:
             path = self._where[1]
             folder = os.path.dirname(path)
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            if os.path.exists(path):
-                if _socket_alive(path):
+            if os.path.lexists(path):
+                # Only a socket nobody listens on is removed: never a file of
+                # someone else's at a mistyped path, nor a live socket.
+                if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                    raise ConfigError("meta_service_url", self.opts.url, "the path exists and is not a socket")
+                if not _socket_dead(path):
                     raise ConfigError("meta_service_url", self.opts.url, "another meta service listens there")
                 os.unlink(path)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -189,8 +199,10 @@ class MetaService:
         self._threads.append(t)
         return t
 
-    def stop(self) -> None:
-        """Close the socket and every session, then the store and its arena."""
+    def stop(self, keep_adoptable: bool = False) -> None:
+        """Close the socket and every session, then the store and its arena.
+        ``keep_adoptable``: an old arena found at start and not used yet is
+        left for the next start (a start that failed)."""
         self._stop.set()
         if self._sock is not None:
             try:
@@ -212,6 +224,8 @@ class MetaService:
                 close_store(self.store)
                 self.store = None
             if self._adoptable is not None:
+                if keep_adoptable:
+                    self._adoptable.owner = False  # closed, not removed
                 self._adoptable.close()
                 self._adoptable = None
 
@@ -229,10 +243,21 @@ class MetaService:
                     old.close()  # owner: removes it
                 self.store = open_store(self.opts.store, arena, rank_bytes, ranks, fingerprint, reaper=False,
                                         tier=old if adopt else None)
-                if adopt:
-                    n = self.store.adopt_dram(self.store.tier.sealed_blocks())
-                    log.info("kvtier meta: %d blocks adopted from the old arena", n)
                 self.geometry = (ranks, rank_bytes)
+                if adopt:
+                    try:
+                        tier = self.store.tier
+                        blocks = tier.sealed_blocks()
+                        n = self.store.adopt_dram(blocks)
+                        # Slots the dead service's writers were filling stay out of
+                        # use for a while: a late write must not land in a new block.
+                        taken = {slot for _, slot in blocks}
+                        held = self.store.hold_slots([x for x in tier.written_slots() if x not in taken],
+                                                     time.monotonic() + self._grace_s)
+                        log.info("kvtier meta: %d blocks adopted from the old arena, %d slots held for %.0f s",
+                                 n, held, self._grace_s)
+                    except Exception:  # noqa: BLE001 - adoption is an optimisation: start cold instead
+                        log.exception("kvtier meta: adopting the old arena failed part way")
                 t, ssd = self.store.tier, self.store.ssd
                 log.info("kvtier meta: DRAM pool %s, %d slots of %d bytes (%.2f GiB)", t.path, t.num_slots,
                          t.slot_stride, t.size_bytes / (1 << 30))
@@ -253,9 +278,19 @@ class MetaService:
         while not self._stop.is_set():
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return
-            self._spawn(self._serve, "kvtier-meta-conn", conn, str(peer or "unix"))
+            except OSError as err:
+                if self._stop.is_set():
+                    return
+                # Out of descriptors or memory for a moment: keep serving.
+                log.warning("kvtier meta: accept failed (%s); retrying", err)
+                time.sleep(0.1)
+                continue
+            try:
+                threading.Thread(target=self._serve, name="kvtier-meta-conn", args=(conn, str(peer or "unix")),
+                                 daemon=True).start()
+            except RuntimeError as err:
+                log.warning("kvtier meta: cannot start a thread for a connection (%s); closed", err)
+                conn.close()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         session: Session | None = None
@@ -299,7 +334,7 @@ class MetaService:
     def _handshake(self, conn: socket.socket, peer: str) -> Session | None:
         conn.settimeout(10.0)
         try:
-            body = wire.recv_frame(conn)
+            body = wire.recv_frame(conn, max_bytes=HELLO_MAX)
             if body is None:
                 return None
             msg = wire.decode_client(body)
@@ -401,6 +436,8 @@ class MetaService:
         ttl = self.opts.lease_ttl_ms / 1000
         while not self._stop.wait(min(1.0, ttl / 4)):
             now = time.monotonic()
+            if self.store is not None:
+                self.store.release_held(now)
             with self._lock:
                 late = [s for s in self._sessions.values() if now - s.last_seen > ttl]
             for s in late:
@@ -417,7 +454,7 @@ class MetaService:
                 store = self.store
             pins = pending = 0
             if store is not None:
-                pins, pending = store.end_session(s.id)
+                pins, pending = store.end_session(s.id, hold_until=time.monotonic() + self._grace_s)
         log.info("kvtier meta: session %d (%s) ended: %s; %d pins released, %d unwritten saves dropped",
                  s.id, s.name, why, pins, pending)
         try:
@@ -449,14 +486,15 @@ class MetaService:
         return [store.tier.path] + ([":".join(store.ssd.paths)] if store.ssd is not None else [])
 
     def accounting(self) -> dict[str, int]:
-        """Slots by who holds them. ``pins`` and ``pending``: what live
-        sessions hold; ``pinned_entries`` and ``unsettled_entries``: what the
+        """Slots by who holds them. ``held``: slots of ended sessions (or of
+        an adopted arena) kept out of use for the grace period. ``pins`` and
+        ``pending``: what live sessions hold; ``pinned_entries`` and ``unsettled_entries``: what the
         store holds, whoever for (PROMOTING included). Once every session
         that held something has ended, both pairs are 0: nothing outlives
         its owner."""
         store = self.store
         if store is None:
-            return {"total": 0, "used": 0, "free": 0, "pins": 0, "pending": 0, "pinned_entries": 0,
+            return {"total": 0, "used": 0, "free": 0, "held": 0, "pins": 0, "pending": 0, "pinned_entries": 0,
                     "unsettled_entries": 0}
         with self._lock:
             ids = list(self._sessions)
@@ -466,7 +504,9 @@ class MetaService:
             pins += p
             pending += q
         st = store.statistics()
-        return {"total": st.num_slots, "used": st.used_slots, "free": st.num_slots - st.used_slots,
+        held = store.held_slots
+        return {"total": st.num_slots, "used": st.used_slots, "free": st.num_slots - st.used_slots - held,
+                "held": held,
                 "pins": pins, "pending": pending, "pinned_entries": st.pinned_slots,
                 "unsettled_entries": st.pending_slots}
 
@@ -485,11 +525,14 @@ def _send(conn: socket.socket, msg: msgspec.Struct) -> None:
         pass
 
 
-def _socket_alive(path: str) -> bool:
+def _socket_dead(path: str) -> bool:
+    """True only when connecting is refused: a socket left by a dead service."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.settimeout(1.0)
         s.connect(path)
+        return False
+    except ConnectionRefusedError:
         return True
     except OSError:
         return False

@@ -199,14 +199,14 @@ def decode_server(body: bytes) -> ServerMessage:
         raise WireError(str(err)) from None
 
 
-def recv_frame(sock: socket.socket) -> bytes | None:
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> bytes | None:
     """One frame's body; None when the peer closed between frames."""
     head = _recv_exact(sock, _LEN.size, allow_eof=True)
     if head is None:
         return None
     (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise WireError(f"frame of {n} bytes announced, over the {MAX_FRAME}-byte limit")
+    if n > max_bytes:
+        raise WireError(f"frame of {n} bytes announced, over the {max_bytes}-byte limit")
     body = _recv_exact(sock, n, allow_eof=False)
     assert body is not None
     return body

@@ -83,9 +83,16 @@ def page_size_of(directory: str) -> int:
     return hugetlbfs_page_size(directory) or _PAGE
 
 
-def checksum(data: torch.Tensor) -> int:
-    """xxh3-64 of a contiguous CPU tensor's bytes (releases the GIL while hashing)."""
-    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()).cast("B"))
+def checksum(data: torch.Tensor, key: bytes) -> int:
+    """xxh3-64 of a contiguous CPU tensor's bytes, seeded with the block's
+    ``key`` (releases the GIL while hashing).
+
+    Seeded, so a rank's part written and sealed for one key never verifies
+    under another: a slot that two writers reached (a late writer of a
+    session that ended, whose slot went to another key) fails its check
+    even if the last seal named the other key.
+    """
+    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()).cast("B"), seed=int.from_bytes(key[:8], "little"))
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -319,9 +326,16 @@ class DramTier:
             key = bytes(h["key"])
             if key == empty or not h["published"] or not h["ready"][: self.ranks].all():
                 continue
-            if all(checksum(self.rank_view(slot, r)) == int(h["checksum"][r]) for r in range(self.ranks)):
+            if all(checksum(self.rank_view(slot, r), key) == int(h["checksum"][r]) for r in range(self.ranks)):
                 out.append((key, slot))
         return out
+
+    def written_slots(self) -> list[int]:
+        """Slots whose header names a key or has a rank's ready mark: what
+        writers of a dead owner may have been filling."""
+        h = self._headers[: self.num_slots]
+        keyed = np.frombuffer(h["key"].tobytes(), dtype=np.uint8).reshape(-1, 16).any(axis=1)
+        return np.flatnonzero(keyed | h["ready"].any(axis=1)).tolist()
 
     @classmethod
     def _map_existing(cls, path: str, fd: int, owner: bool) -> DramTier:
@@ -442,4 +456,4 @@ class DramTier:
         h = self._headers[slot]
         if not h["ready"][: self.ranks].all() or bytes(h["key"]) != key:
             return False
-        return not check_data or checksum(self.rank_view(slot, rank)) == int(h["checksum"][rank])
+        return not check_data or checksum(self.rank_view(slot, rank), key) == int(h["checksum"][rank])
