@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two test processes, one test file each at a time: most of a vLLM start is
-# single-threaded imports, so two of them overlap well on two cores.
+# single-threaded imports, so two of them overlap well on two cores. The
+# longest files come first so that short unit-test files fill the end.
 test: setup
-	$(PY) -m pytest tests -v --timeout=900 -n 2 --dist loadfile --durations=30
+	$(PY) -m pytest tests/stress tests/e2e tests/unit -v --timeout=900 -n 2 --dist loadfile --durations=30
 
 test-fast: setup
 	$(PY) -m pytest tests -v -m "not e2e"
