@@ -66,7 +66,8 @@ def shm_files(pids: list[int]) -> int:
     return sum(1 for name in os.listdir("/dev/shm") if any(name.startswith(p) for p in mine))
 
 
-def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: str, model: str = "") -> dict:
+def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: str, model: str = "",
+         kvtier: bool = True) -> dict:
     from kvtier.tools.model import build_model
     from kvtier.tools.server import VllmServer
     from tests.e2e.conftest import server_options
@@ -76,7 +77,8 @@ def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: 
     model = model or str(build_model("tiny", cache_dir=os.environ.get("KVTIER_MODEL_CACHE")))
     ssd = work / "ssd.img"
     cfg = {"dram_size": "16MB", "ssd_path": str(ssd), "ssd_size": "64MB", "force_new_disk": True}
-    opts = server_options(model, cfg, num_gpu_blocks=128, max_num_seqs=streams)
+    # kvtier=False: the same load on vLLM alone, the peer for memory growth.
+    opts = server_options(model, cfg if kvtier else None, num_gpu_blocks=128, max_num_seqs=streams)
     rng = random.Random(0)
     prefixes = [[rng.randrange(16, 900) for _ in range(BLOCK * 8)] for _ in range(300)]
     done: list[float] = []
@@ -156,7 +158,7 @@ def verdict(s: dict) -> list[str]:
     # of the sampler or a client may be open at the moment of a sample, so
     # the count may move by a couple, but never grow away from the start.
     shm = {x["shm_files"] for x in after}
-    if shm != {1}:
+    if shm != ({1} if s.get("kvtier", True) else {0}):
         problems.append(f"shm_files not constantly 1: {sorted(shm)}")
     fds = [x["open_files"] for x in after]
     if max(fds) > fds[0] + 2 or fds[-1] > fds[0] + 1:
@@ -167,7 +169,8 @@ def verdict(s: dict) -> list[str]:
     if any(x["req_per_s"] < med / 2 for x in after):
         problems.append(f"throughput fell under half its median ({med} req/s)")
     first, last = after[0], after[-1]
-    if last["dram_evictions"] <= first["dram_evictions"] or last["ssd_evictions"] <= first["ssd_evictions"]:
+    if s.get("kvtier", True) and (last["dram_evictions"] <= first["dram_evictions"]
+                                  or last["ssd_evictions"] <= first["ssd_evictions"]):
         problems.append("a tier did not evict during the run: not under pressure")
     return problems
 
@@ -179,8 +182,11 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=30.0, help="seconds between samples")
     ap.add_argument("--warmup", type=int, default=2, help="intervals left out of the verdict")
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--vllm-alone", action="store_true",
+                    help="the same load without kvtier: the peer whose memory growth kvtier's is read against")
     args = ap.parse_args()
-    s = soak(args.streams, args.minutes, args.interval, args.warmup, args.workdir)
+    s = soak(args.streams, args.minutes, args.interval, args.warmup, args.workdir, kvtier=not args.vllm_alone)
+    s["kvtier"] = not args.vllm_alone
     problems = verdict(s)
     s["verdict"] = problems or "pass"
     print(json.dumps({k: v for k, v in s.items() if k != "samples"}, indent=2))
