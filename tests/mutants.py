@@ -27,11 +27,12 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Fast files first: each run stops at its first failure (-x).
 TESTS = [
-    "tests/unit/test_connector_failsafe.py", "tests/unit/test_connector_guards.py", "tests/unit/test_dram.py",
-    "tests/unit/test_store.py", "tests/unit/test_store_ssd.py", "tests/unit/test_ssd.py",
-    "tests/unit/test_layout_copy.py", "tests/unit/test_connector_stats.py",
-    "tests/unit/test_store_sessions.py", "tests/unit/test_pool_service.py", "tests/unit/test_pool_restart.py",
+    "tests/unit/test_connector_guards.py", "tests/unit/test_connector_failsafe.py", "tests/unit/test_dram.py",
+    "tests/unit/test_pool_service.py", "tests/unit/test_store.py", "tests/unit/test_store_sessions.py",
+    "tests/unit/test_pool_restart.py", "tests/unit/test_store_ssd.py", "tests/unit/test_layout_copy.py",
+    "tests/unit/test_connector_stats.py", "tests/unit/test_ssd.py",
 ]
 
 

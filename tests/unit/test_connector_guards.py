@@ -136,3 +136,20 @@ def test_saves_planned_after_a_failed_load_never_become_readable(side: Scheduler
     side.update_connector_output(StepOutput(StepReport(done={second.step: 2})))
     assert side.store.lookup(side._reqs["b"].keys) == 0
     assert side.store.lookup(side._reqs["a"].keys) == 0
+
+
+def test_a_slot_not_sealed_for_the_key_is_never_copied_even_without_checksums(make_tier, capacity_for):
+    """With checksums off (an embedded pool may turn them off), the header
+    check before the copy is the only guard: a slot sealed for another key
+    must not reach vLLM's block."""
+    tier = make_tier(capacity_for(8, 4096), 4096)
+    w = WorkerSide(rank=0, num_blocks=16, verify_checksums=False)
+    kv = torch.arange(16 * 2 * BLOCK * 8, dtype=torch.float32).reshape(16, 2, BLOCK, 8)
+    w.register_kv_caches({"l0": kv})
+    save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
+    kv[9].zero_()
+    plan = StepPlan(step=1, arena=tier.path, loads=[BlockCopy(9, 0, b"z" * 16)])  # the slot holds "a"
+    w.start_load_kv(plan)
+    assert w.get_block_ids_with_load_errors() == {9}
+    assert torch.equal(kv[9], torch.zeros_like(kv[9]))  # nothing was copied into it
+    assert w.build_report().corrupt_keys == [b"z" * 16]
