@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.tools.server import ServerError
+from kvtier.tools.server import ServerError, log_tail, stop_group
 
 
 class MetaProcess:
@@ -73,17 +73,7 @@ class MetaProcess:
     def stop(self) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        rc = self.proc.wait()
+        rc = stop_group(self.proc, signal.SIGTERM)
         self._log.close()
         return rc
 
@@ -91,7 +81,7 @@ class MetaProcess:
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def __enter__(self) -> MetaProcess:
         return self.start()

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from kvtier.tools.meta import MetaProcess
-from kvtier.tools.server import ServerError, free_port
+from kvtier.tools.server import ServerError, free_port, log_tail, stop_group
 
 STATE_FILE = "serve.json"
 
@@ -89,13 +89,6 @@ def _transfer_config() -> str:
                        "kv_connector_extra_config": {"backend": "memcache"}})
 
 
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 class Serve:
     def __init__(self, model: str, instances: int, log_dir: Path, config_dir: str | None = None,
                  vllm_args: list[str] | None = None, host: str = "127.0.0.1", first_port: int = 0,
@@ -140,7 +133,7 @@ class Serve:
         while time.monotonic() < deadline and not self._stop.is_set():
             if inst.proc.poll() is not None:
                 raise ServerError(f"vLLM instance {inst.index} exited with {inst.proc.returncode} during start-up; "
-                                  f"last lines of {inst.log_path}:\n{_tail(inst.log_path)}")
+                                  f"last lines of {inst.log_path}:\n{log_tail(inst.log_path, 20)}")
             try:
                 if httpx.get(inst.url + "/health", timeout=2).status_code == 200:
                     return
@@ -173,7 +166,7 @@ class Serve:
             for inst in self.instances:
                 if inst.proc.poll() is not None:
                     self.out(f"vLLM instance {inst.index} exited with {inst.proc.returncode}; last lines of "
-                             f"{inst.log_path}:\n{_tail(inst.log_path)}")
+                             f"{inst.log_path}:\n{log_tail(inst.log_path, 20)}")
                     return 1
             if self.meta and self.meta.proc and self.meta.proc.poll() is not None:
                 self.out(f"the meta service exited with {self.meta.proc.returncode}; last lines of "
@@ -186,27 +179,13 @@ class Serve:
 
     def stop(self) -> None:
         for inst in self.instances:
-            _stop_group(inst.proc)
+            stop_group(inst.proc, signal.SIGTERM)
         if self.meta is not None:
             self.meta.stop()
         try:
             (self.log_dir / STATE_FILE).unlink()
         except OSError:
             pass
-
-
-def _stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm_args: list[str],

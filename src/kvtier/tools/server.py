@@ -84,6 +84,30 @@ class ServerError(RuntimeError):
     pass
 
 
+def stop_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGINT, timeout_s: float = 30.0) -> int:
+    """Stop the process group ``proc`` leads: ``first``, then SIGKILL after
+    ``timeout_s``; returns its exit status."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, first)
+            proc.wait(timeout_s)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return proc.wait()
+
+
+def log_tail(path: str | Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ("(no log)" if it cannot be read)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 class VllmServer:
     def __init__(self, options: ServerOptions, log_path: str | Path | None = None, port: int | None = None,
                  startup_timeout_s: float = 300.0) -> None:
@@ -135,24 +159,14 @@ class VllmServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGINT)
-                self.proc.wait(30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        stop_group(self.proc, signal.SIGINT)
         self._log.close()
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def __enter__(self) -> VllmServer:
         return self.start()
