@@ -75,6 +75,16 @@ class Node:
         self.servers[name] = srv
         return srv.start()
 
+    def wait_released(self, timeout_s: float = 90) -> dict:
+        """Until no slot is held for an ended session (they return to the
+        free list once the slot grace, 3 x lease_ttl_ms, has passed)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = self.meta.health()
+            if h["slots"]["held"] == 0 or time.monotonic() > deadline:
+                return h
+            time.sleep(0.2)
+
     def wait_clients(self, n: int, timeout_s: float = 60) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -217,6 +227,9 @@ def test_killed_instance_leaves_nothing_held_and_the_other_keeps_hitting(node: N
     assert len(health["clients"]) == 1
     slots = health["slots"]
     assert slots["pinned_entries"] == 0 and slots["unsettled_entries"] == 0
+    # Slots B took for saves are held for the grace period, then free again.
+    slots = node.wait_released()["slots"]
+    assert slots["held"] == 0
     assert slots["free"] + slots["used"] == slots["total"]
     # A still loads from the pool: a prefix it saved, evicted from its device cache.
     prompt = tokens(80, 16 * BLOCK + 2)
