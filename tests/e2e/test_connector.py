@@ -1,13 +1,19 @@
-"""The connector inside a real vLLM CPU engine: hits, identical outputs, recompute on corruption."""
+"""The connector inside a real vLLM CPU engine: hits, identical outputs, recompute on corruption;
+then ``kvtier bench`` and ``kvtier stats`` against the same server (one vLLM start serves both)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from kvtier.cli import main as cli_main
+from kvtier.tools.dataset import SynthSpec, synth, write_synth
+from kvtier.tools.loadgen import BenchOptions, Session, run
 from kvtier.tools.server import ServerError, VllmServer
 from tests.e2e.conftest import (BLOCK, assert_loads_succeeded, complete, delta, server_options, tokens,
                                 wait_for_log)
@@ -143,3 +149,60 @@ def test_bad_config_stops_startup_with_one_clear_line(tiny_model, tmp_path):
         srv.start()
     srv.stop()
     assert f"kvtier config error: ssd_path = '{tmp_path}': not a regular file or block device" in srv.log_text()
+
+
+# --- kvtier bench and kvtier stats against the same server ---------------------
+
+
+def test_synthetic_shared_prefix_run_reports_hits(kvtier_server: VllmServer, tiny_model: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    # Prefixes of 1,120 tokens: the device cache (40 blocks) holds at most
+    # two of the three, so the mirrored reuse finds the third in kvtier.
+    spec = SynthSpec(tokens=1400, fraction=80, num_diff_prefix=3, group_size=2, num_groups=6, seed=3)
+    data, _ = write_synth(synth(tok, spec), spec, str(tmp_path / "ds"))
+    out = tmp_path / "out"
+    rc = cli_main(["bench", "run", "--url", kvtier_server.url, "--dataset", data, "--concurrency", "2",
+                   "--max-tokens", "4", "--ignore-eos", "--endpoint", "completions", "--output", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())[0]
+    s = results["summary"]
+    assert s["succeeded"] == 12 and s["failed"] == 0
+    assert s["ttft_s"]["p50"] > 0 and s["tpot_s"]["mean"] > 0 and s["itl_s"]["p50"] > 0
+    # --ignore-eos: every answer runs to --max-tokens, whatever the random model says.
+    assert all(r["completion_tokens"] == 4 for r in results["results"])
+    # Every group after the first of each prefix reuses at least 80 % of its prompt.
+    assert s["cached_tokens"] > 0.3 * s["prompt_tokens"]
+    h = results["hit_rates"]
+    assert h["h_all"] == pytest.approx(h["h1"] + (1 - h["h1"]) * h["h2"])
+    assert h["h_all"] > 0.3
+    # Part of the reuse is kvtier's, and those blocks were loaded, not recomputed.
+    assert h["h2"] > 0 and h["external_tokens"] > 0
+    assert h["load_errors"] == 0 and h["loaded_blocks"] * 64 == h["external_tokens"]
+    assert "| h_all |" in capsys.readouterr().out
+
+    # kvtier stats reads the same server: hit rates and kvtier's own series.
+    assert cli_main(["stats", "--url", kvtier_server.url, "--once"]) == 0
+    view = capsys.readouterr().out
+    for row in ("h_all", "blocks saved", "blocks loaded", "DRAM tier in use"):
+        assert row in view, view
+
+
+def test_multi_turn_sessions_grow_their_prompts(kvtier_server: VllmServer) -> None:
+    sessions = [Session(["Tell me about rivers.", "And mountains?", "And the sea?"]),
+                Session(["Describe a city.", "Its music?"])]
+    report = run(sessions, BenchOptions(url=kvtier_server.url, concurrency=2, max_tokens=8))
+    assert report.summary["failed"] == 0 and report.summary["succeeded"] == 5
+    by_session: dict[int, list] = {}
+    for r in report.results:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.turn)
+        lengths = [r.prompt_tokens for r in turns]
+        assert lengths == sorted(lengths) and len(set(lengths)) == len(lengths)
+        # Each turn carries the previous answer, so its prompt is longer than
+        # the last prompt plus the last answer.
+        for a, b in zip(turns, turns[1:]):
+            assert b.prompt_tokens >= a.prompt_tokens + a.completion_tokens
