@@ -159,14 +159,26 @@ def _load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _dataset_synth(args: argparse.Namespace) -> int:
-    from kvtier.tools.dataset import SynthSpec, synth, write_synth
+def synth_plan(args: argparse.Namespace):
+    """``(SynthSpec, SynthLayout, output folder)`` of a parsed ``dataset synth`` command line."""
+    from kvtier.tools.dataset import SynthLayout, SynthSpec
 
+    # Without --output the reference generator's command line is being run:
+    # it writes its own folder into the current directory.
+    layout = SynthLayout(args.layout or (SynthLayout.SEED if args.output is None else SynthLayout.KVTIER))
     spec = SynthSpec(tokens=args.tokens, fraction=args.fraction, num_diff_prefix=args.num_diff_prefix,
-                     group_size=args.group_size, num_groups=args.num_groups, seed=args.seed)
+                     group_size=args.group_size, num_groups=args.num_groups,
+                     seed=layout.default_seed if args.seed is None else args.seed)
     spec.validate()
+    return spec, layout, args.output or "."
+
+
+def _dataset_synth(args: argparse.Namespace) -> int:
+    from kvtier.tools.dataset import synth, write_synth
+
+    spec, layout, out_dir = synth_plan(args)
     result = synth(_load_tokenizer(args.tokenizer), spec)
-    data, pre = write_synth(result, spec, args.output)
+    data, pre = write_synth(result, spec, out_dir, layout)
     print(f"{len(result.prompts)} prompts of {spec.tokens} tokens, {spec.prefix_tokens} of them a shared prefix "
           f"({spec.fraction} %), {spec.num_diff_prefix} prefixes, groups of {spec.group_size}, "
           f"{spec.code_tokens} code tokens")
@@ -290,6 +302,17 @@ def _stats(args: argparse.Namespace) -> int:
     return watch(args.url.rstrip("/"), args.interval, once=args.once, count=args.count)
 
 
+_TRUE_FALSE = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _true_false(text: str) -> bool:
+    """argparse type for ``True`` / ``False`` (any case; also yes/no, 1/0); argparse names the option."""
+    try:
+        return _TRUE_FALSE[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}") from None
+
+
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help="QA JSONL or ShareGPT multi-turn JSON")
     p.add_argument("--num-sessions", type=int, default=None, help="use the first N sessions")
@@ -348,27 +371,39 @@ def parser() -> argparse.ArgumentParser:
     ds = sub.add_parser("dataset", help="workloads: synthetic, converted, real text")
     dsub = ds.add_subparsers(dest="dataset_command", required=True)
     sy = dsub.add_parser("synth", help="token-exact synthetic prompts with shared prefixes")
-    sy.add_argument("--tokenizer", required=True, help="tokenizer directory (or a .gguf file)")
-    sy.add_argument("--output", required=True, help="output directory")
+    # The second spelling of each option is the reference generator's (data_gen.py).
+    sy.add_argument("--tokenizer", "--tokenizer-dir", dest="tokenizer", required=True,
+                    help="tokenizer directory (or a .gguf file)")
+    sy.add_argument("--output", default=None, help="output directory (default: the current one)")
+    sy.add_argument("--layout", default=None, choices=["kvtier", "seed"],
+                    help="file names: kvtier's, or the reference generator's folder "
+                         "<tokens>_<seed>_ds_p<P>_gs<G>_ng<N> "
+                         "(default: seed without --output, kvtier with it)")
     sy.add_argument("--tokens", type=int, default=3500, help="tokens per prompt")
     sy.add_argument("--fraction", type=int, default=50, help="shared-prefix percent of each prompt")
-    sy.add_argument("--num-diff-prefix", type=int, default=10, help="distinct prefixes")
-    sy.add_argument("--group-size", type=int, default=5, help="consecutive prompts sharing a prefix")
-    sy.add_argument("--num-groups", type=int, default=40, help="groups (prefixes reused in mirrored order)")
-    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--num-diff-prefix", "--num_diff_prefix", dest="num_diff_prefix", type=int, default=10,
+                    help="distinct prefixes")
+    sy.add_argument("--group-size", "--group_size", dest="group_size", type=int, default=5,
+                    help="consecutive prompts sharing a prefix")
+    sy.add_argument("--num-groups", "--num_groups", dest="num_groups", type=int, default=40,
+                    help="groups (prefixes reused in mirrored order)")
+    sy.add_argument("--seed", type=int, default=None, help="default: 0; 202508167 with --layout seed")
     sy.set_defaults(func=_dataset_synth)
+    # Options, values and defaults are those of the reference converter
+    # (dataset_convert.py), so its command lines run unchanged.
     cv = dsub.add_parser("convert", help="raw JSONL (context, length) to QA JSONL or ShareGPT multi-turn JSON")
-    cv.add_argument("--input", nargs="+", required=True)
-    cv.add_argument("--output", required=True)
+    cv.add_argument("--input", nargs="+", default=["multi_news.jsonl"])
+    cv.add_argument("--output", default="test_py_multi_news.jsonl")
     cv.add_argument("--top-n", type=int, default=64)
     cv.add_argument("--min-length", type=int, default=1024)
     cv.add_argument("--max-length", type=int, default=4096)
     cv.add_argument("--repeat", type=int, default=2)
-    cv.add_argument("--alternate-order", action=argparse.BooleanOptionalAction, default=True,
-                    help="reverse every second repeat")
+    cv.add_argument("--alternate-order", nargs="?", const=True, default=True, metavar="True|False",
+                    type=_true_false, help="reverse every second repeat (default: True)")
+    cv.add_argument("--no-alternate-order", dest="alternate_order", action="store_false")
     cv.add_argument("--source-fields", nargs="+", default=["context"])
     cv.add_argument("--count-mode", default="valid-only", choices=["valid-only", "all-lines"])
-    cv.add_argument("--output-format", default="qa", choices=["qa", "multi-turn"])
+    cv.add_argument("--output-format", default="multi-turn", choices=["qa", "multi-turn"])
     cv.add_argument("--rounds", type=int, default=4, help="records per conversation (multi-turn)")
     cv.set_defaults(func=_dataset_convert)
     ld = dsub.add_parser("longdoc", help="raw long documents (pydoc pages of the Python library) as JSONL")

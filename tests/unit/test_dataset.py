@@ -228,7 +228,8 @@ def test_cli_convert_passes_every_option(raw: Path, tmp_path: Path, capsys) -> N
     second = write_raw(tmp_path / "raw2.jsonl", [{"context": "F", "input": "f?", "length": 100}])
     out = tmp_path / "qa.jsonl"
     common = ["dataset", "convert", "--input", str(raw), str(second), "--output", str(out), "--top-n", "7",
-              "--min-length", "60", "--max-length", "400", "--repeat", "2", "--source-fields", "context", "input"]
+              "--min-length", "60", "--max-length", "400", "--repeat", "2", "--source-fields", "context", "input",
+              "--output-format", "qa"]
     # In length 60..400: A, D, E of raw.jsonl and F of raw2.jsonl. The first 7 lines (all-lines) hold A, D, E.
     assert cli_main(common + ["--count-mode", "all-lines"]) == 0
     assert qa(out) == ["Aa?", "Dd?", "E", "E", "Dd?", "Aa?"]

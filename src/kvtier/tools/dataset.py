@@ -179,13 +179,47 @@ def synth(tok: Any, spec: SynthSpec) -> SynthResult:
     return SynthResult(prompts, prefixes, prefix_of)
 
 
-def write_synth(result: SynthResult, spec: SynthSpec, out_dir: str) -> tuple[str, str]:
-    """QA JSONL of the prompts and JSONL of the prefixes; returns their paths."""
-    os.makedirs(out_dir, exist_ok=True)
+class SynthLayout(str, enum.Enum):
+    """Where ``kvtier dataset synth`` puts its two files.
+
+    ``kvtier``: ``synth-<spec>.jsonl`` and ``synth-<spec>-prefixes.jsonl``
+    right in the output folder. ``seed``: the reference generator's layout,
+    for scripts that read its paths: a folder
+    ``<tokens>_<seed>_ds_p<prefixes>_gs<group size>_ng<groups>`` inside the
+    output folder, holding ``<tokens>_<seed>_pre_<fraction>.jsonl`` (the
+    prefixes) and ``<tokens>_<seed>_full_<prompts>_<fraction>.jsonl`` (the
+    prompts).
+    """
+
+    KVTIER = "kvtier"
+    SEED = "seed"
+
+    @property
+    def default_seed(self) -> int:
+        # The reference generator's default seed, so that its folder names
+        # (which carry the seed) come out the same when no --seed is given.
+        return 202508167 if self is SynthLayout.SEED else 0
+
+
+def synth_paths(spec: SynthSpec, out_dir: str, layout: SynthLayout = SynthLayout.KVTIER) -> tuple[str, str]:
+    """Paths of the prompt file and the prefix file for ``spec`` under ``out_dir``."""
+    if layout is SynthLayout.SEED:
+        head = f"{spec.tokens}_{spec.seed}"
+        name = f"{head}_ds_p{spec.num_diff_prefix}_gs{spec.group_size}_ng{spec.num_groups}"
+        folder = os.path.join(out_dir, name)
+        prompts = spec.group_size * spec.num_groups
+        return (os.path.join(folder, f"{head}_full_{prompts}_{spec.fraction}.jsonl"),
+                os.path.join(folder, f"{head}_pre_{spec.fraction}.jsonl"))
     stem = (f"synth-{spec.tokens}tok-{spec.fraction}pct-p{spec.num_diff_prefix}-g{spec.group_size}"
             f"x{spec.num_groups}-seed{spec.seed}")
-    data = os.path.join(out_dir, stem + ".jsonl")
-    pre = os.path.join(out_dir, stem + "-prefixes.jsonl")
+    return os.path.join(out_dir, stem + ".jsonl"), os.path.join(out_dir, stem + "-prefixes.jsonl")
+
+
+def write_synth(result: SynthResult, spec: SynthSpec, out_dir: str,
+                layout: SynthLayout = SynthLayout.KVTIER) -> tuple[str, str]:
+    """QA JSONL of the prompts and JSONL of the prefixes, placed by ``layout``; returns their paths."""
+    data, pre = synth_paths(spec, out_dir, layout)
+    os.makedirs(os.path.dirname(os.path.abspath(data)), exist_ok=True)
     _write_jsonl(data, ({"question": p, "answer": ""} for p in result.prompts))
     _write_jsonl(pre, ({"question": p, "answer": ""} for p in result.prefixes))
     return data, pre
