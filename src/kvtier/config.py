@@ -301,3 +301,47 @@ def known_connector_keys() -> list[str]:
 
 
 assert {f for f, _ in _CONNECTOR_KEYS.values()} <= {f.name for f in fields(KvtierConfig)}
+
+
+class PublishOn(enum.Enum):
+    """When the node pool hands a block to the cluster tier."""
+
+    SAVE = "save"  # write-through: as soon as a save is complete (the default: peers find it at once)
+    EVICT = "evict"  # when the block leaves the node's DRAM (less traffic; peers find only what left)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster tier (Mooncake Store under the node pool): built by
+    :meth:`kvtier.pool.config.PoolConfig.cluster_config` from the ``kvtier.cluster.*``
+    keys; None there when the tier is off.
+
+    ``master_host``/``master_port``: Mooncake's master (on the master node, the
+    host of ``ock.mmc.meta_service_url``). ``local_hostname``: the address this
+    node's transfer engine is reached at by peers. ``segment_bytes``: the memory
+    this node lends the cluster (0: none, a pure client). ``metadata_server``:
+    Mooncake's transfer metadata (``P2PHANDSHAKE``: none needed). ``etcd_endpoints``:
+    a highly available master set (empty: the one master). ``lookup_blocks``: the
+    most keys one lookup asks the cluster about. ``timeout_s``: how long the
+    node pool waits for one cluster call before answering a miss.
+    """
+
+    master_host: str = "127.0.0.1"
+    master_port: int = 50051
+    master_metrics_port: int = 50052
+    local_hostname: str = "127.0.0.1"
+    segment_bytes: int = 1 << 30
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    metadata_server: str = "P2PHANDSHAKE"
+    replicas: int = 1
+    etcd_endpoints: str = ""
+    eviction_high_watermark: float = 0.9
+    publish_on: PublishOn = PublishOn.SAVE
+    lookup_blocks: int = 256
+    timeout_s: float = 2.0
+
+    @property
+    def master_address(self) -> str:
+        host = f"[{self.master_host}]" if ":" in self.master_host else self.master_host
+        return f"{host}:{self.master_port}"

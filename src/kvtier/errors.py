@@ -35,3 +35,7 @@ class TierIOError(KvtierError, OSError):
 
 class CorruptBlockError(KvtierError):
     """A block failed its checksum or key check; it is dropped and counted."""
+
+
+class ClusterError(KvtierError):
+    """The cluster tier cannot be reached (its master down, a call failed); its blocks are misses."""

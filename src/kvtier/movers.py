@@ -20,6 +20,12 @@ on a pool of I/O threads and owns everything about them:
 - the jobs in flight: :meth:`TierMover.wait_progress`,
   :meth:`TierMover.wait_idle` and :meth:`TierMover.close`.
 
+:class:`ClusterMover`, when a cluster tier is configured, does the same for
+it on threads of its own: lookups (bounded by a timeout, skipped while the
+cluster is down), fetches (cluster -> a PROMOTING entry's DRAM slot) and
+publishing (a pinned READY slot -> cluster), batched, never on the
+scheduler's path and never under the store's lock.
+
 The mover shares the store's lock. The store calls it under that lock; its
 jobs do their I/O outside it and take it to tell the store how a move ended,
 through the few methods of :class:`MoverHost`: the store changes its index,
@@ -32,13 +38,15 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import xxhash
 
-from kvtier.errors import TierIOError
+from kvtier.cluster.client import Fetched
+from kvtier.errors import ClusterError, TierIOError
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import BlockRecord, SsdLocation, SsdTier
@@ -297,3 +305,238 @@ class TierMover:
             dirty = True
         with self._lock:
             self._host._release_ssd_locked(slots, dirty)
+
+
+# --- the cluster tier ------------------------------------------------------------
+
+CLUSTER_BATCH = 32  # blocks per cluster put or get call
+CLUSTER_THREADS = 2  # transfers in flight at once
+CLUSTER_RETRY_FIRST_S = 0.2
+CLUSTER_RETRY_MAX_S = 5.0
+
+
+class RemoteTier(Protocol):
+    """The cluster tier as the mover uses it (:class:`kvtier.cluster.client.MooncakeTier`).
+
+    Every call may raise :class:`~kvtier.errors.ClusterError` or block for
+    as long as the remote side takes; the mover bounds the waits it cares
+    about and never calls under the store's lock."""
+
+    @property
+    def connected(self) -> bool: ...
+
+    def connect(self) -> None: ...
+
+    def healthy(self) -> bool: ...
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def fetch(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[Fetched]: ...
+
+    def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
+
+    def close(self) -> None: ...
+
+
+class ClusterHost(Protocol):
+    """What a cluster mover's jobs ask of the store, each under the store's lock."""
+
+    def _end_fetch_locked(self, key: bytes, outcome: Fetched) -> None:
+        """The fetch of ``key`` into its PROMOTING entry's DRAM slot ended."""
+        ...
+
+    def _end_publish_locked(self, key: bytes, ok: bool, bad: bool) -> None:
+        """The put of ``key`` ended (``ok``: the cluster has it); ``bad``: its
+        DRAM copy failed its checksums and was not sent. Releases the
+        publishing pin."""
+        ...
+
+
+class ClusterMover:
+    """The cluster tier's threads: lookups, fetches (cluster -> DRAM slot) and
+    publishing (DRAM slot -> cluster), beside the :class:`TierMover`.
+
+    Whether the cluster is up is decided here: a failed or late call (later
+    than ``timeout_s``) marks it down, and until a health check passes again
+    (every ``CLUSTER_RETRY_FIRST_S`` doubling to ``CLUSTER_RETRY_MAX_S``, on
+    a thread of its own, which also connects in the first place) lookups
+    answer 0 at once and nothing is published: the scheduler never waits on
+    a dead master. Publishing is bounded by ``queue_blocks`` blocks in
+    flight; past that a block is not published (counted), never waited for.
+    """
+
+    def __init__(self, host: ClusterHost, lock: threading.RLock, counts: EventCounts, tier: DramTier,
+                 remote: RemoteTier, *, timeout_s: float = 2.0, queue_blocks: int = 1024) -> None:
+        self._host = host
+        self._lock = lock
+        self._c = counts
+        self._tier = tier
+        self.remote = remote
+        self.timeout_s = timeout_s
+        self._limit = queue_blocks
+        self.publishing = 0  # blocks handed to publish() whose put has not ended
+        self._up = False
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._inflight: set[Future] = set()
+        self._idle = threading.Condition(lock)
+        self._io = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="kvtier-cluster")
+        self._ask = ThreadPoolExecutor(1, thread_name_prefix="kvtier-cluster-lookup")
+        self._health = threading.Thread(target=self._health_loop, name="kvtier-cluster-health", daemon=True)
+        self._health.start()
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        self._io.shutdown(wait=True)
+        self._ask.shutdown(wait=False, cancel_futures=True)
+        self._health.join(timeout=5)
+        self.remote.close()
+
+    # --- up and down ----------------------------------------------------------
+
+    def _down(self, why: object) -> None:
+        if self._up:
+            self._up = False
+            self._c.cluster_down += 1
+            log.warning("kvtier cluster: unreachable (%s); lookups miss and nothing is published until it "
+                        "answers again", why)
+        self._wake.set()
+
+    def _health_loop(self) -> None:
+        wait = CLUSTER_RETRY_FIRST_S
+        while not self._closed.is_set():
+            ok = False
+            try:
+                if not self.remote.connected:
+                    self.remote.connect()
+                ok = self.remote.healthy()
+            except ClusterError as err:
+                log.debug("kvtier cluster: not reachable yet: %s", err)
+            except Exception:  # noqa: BLE001 - the health thread must outlive any one failure
+                log.exception("kvtier cluster: health check failed")
+            if ok:
+                if not self._up:
+                    log.info("kvtier cluster: reachable; lookups and publishing on")
+                self._up = True
+                wait = CLUSTER_RETRY_FIRST_S
+                period = 1.0
+            else:
+                if self._up:
+                    self._down("its master does not answer")
+                period = wait
+                wait = min(wait * 2, CLUSTER_RETRY_MAX_S)
+            self._wake.wait(period)
+            self._wake.clear()
+
+    # --- called by the store ------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the cluster holds (0 while it is down).
+        Called by the store outside its lock; waits at most ``timeout_s``."""
+        if not keys or not self._up:
+            return 0
+        try:
+            found = self._ask.submit(self.remote.exists, list(keys)).result(self.timeout_s)
+        except FutureTimeout:
+            self._down(f"a lookup took over {self.timeout_s} s")
+            return 0
+        except ClusterError as err:
+            self._down(err)
+            return 0
+        except RuntimeError:  # closed meanwhile
+            return 0
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        with self._lock:
+            self._c.cluster_lookups += len(keys)
+            self._c.cluster_hits += n
+        return n
+
+    def room(self) -> int:
+        """Blocks that may start publishing now (under the store's lock)."""
+        return max(0, self._limit - self.publishing) if self._up else 0
+
+    def fetch(self, jobs: list[tuple[bytes, int]]) -> None:
+        """Get each (key, DRAM slot) of PROMOTING entries, ``CLUSTER_BATCH`` per call."""
+        for i in range(0, len(jobs), CLUSTER_BATCH):
+            self._submit(self._fetch, jobs[i : i + CLUSTER_BATCH])
+
+    def publish(self, jobs: list[tuple[bytes, int]]) -> None:
+        """Put each (key, DRAM slot) of READY entries the store pinned for it."""
+        self.publishing += len(jobs)
+        for i in range(0, len(jobs), CLUSTER_BATCH):
+            self._submit(self._publish, jobs[i : i + CLUSTER_BATCH])
+
+    def _submit(self, fn, arg) -> None:
+        fut = self._io.submit(fn, arg)
+        self._inflight.add(fut)
+        fut.add_done_callback(self._job_done)
+
+    def _job_done(self, fut: Future) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+            self._idle.notify_all()
+        if fut.exception() is not None:
+            log.error("kvtier cluster: a job failed", exc_info=fut.exception())
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._inflight, timeout_s)
+
+    def wait_progress(self, timeout_s: float) -> None:
+        with self._idle:
+            if self._inflight:
+                self._idle.wait(timeout_s)
+
+    # --- jobs (on the cluster threads) ------------------------------------------------
+
+    def _fetch(self, jobs: list[tuple[bytes, int]]) -> None:
+        keys = [k for k, _ in jobs]
+        try:
+            outcomes = self.remote.fetch(keys, [s for _, s in jobs]) if self._up else [Fetched.ERROR] * len(jobs)
+        except ClusterError as err:
+            self._down(err)
+            outcomes = [Fetched.ERROR] * len(jobs)
+        except Exception:  # noqa: BLE001 - never leave entries PROMOTING forever
+            log.exception("kvtier cluster: fetching %d blocks failed", len(jobs))
+            outcomes = [Fetched.ERROR] * len(jobs)
+        with self._lock:
+            for key, outcome in zip(keys, outcomes):
+                self._host._end_fetch_locked(key, outcome)
+
+    def _publish(self, jobs: list[tuple[bytes, int]]) -> None:
+        tier = self._tier
+        bad = set()
+        good: list[tuple[bytes, int]] = []
+        for key, slot in jobs:
+            # Pinned by the store, so the bytes stay as they are checked: only
+            # a block that matches its own header is published (a copy that
+            # went bad in DRAM would otherwise travel as a "valid" block).
+            hdr = tier.header(slot)
+            full = (1 << tier.ranks) - 1
+            if hdr.key != key or hdr.ready_mask & full != full or any(
+                    checksum(tier.rank_view(slot, r), key) != hdr.checksums[r] for r in range(tier.ranks)):
+                bad.add(key)
+            else:
+                good.append((key, slot))
+        ok: list[bool] = []
+        if good and self._up:
+            try:
+                ok = self.remote.publish([k for k, _ in good], [s for _, s in good])
+            except ClusterError as err:
+                self._down(err)
+            except Exception:  # noqa: BLE001 - never leave entries pinned forever
+                log.exception("kvtier cluster: publishing %d blocks failed", len(good))
+        done = {k for (k, _), y in zip(good, ok) if y}
+        with self._lock:
+            for key, _ in jobs:
+                self._host._end_publish_locked(key, key in done, key in bad)
+            self.publishing -= len(jobs)

@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from kvtier.config import KvtierConfig
+from kvtier.config import ClusterConfig, KvtierConfig, PublishOn
 from kvtier.store import Probe, SaveSlots, TieredStore
 from kvtier.tier.dram import DramTier, start_reaper
 from kvtier.tier.ssd import SsdTier
@@ -67,9 +67,14 @@ class Placement(Protocol):
 
 
 def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, fingerprint: bytes,
-               reaper: bool = True, tier: DramTier | None = None) -> TieredStore:
+               reaper: bool = True, tier: DramTier | None = None,
+               cluster: ClusterConfig | None = None) -> TieredStore:
     """Create the DRAM arena at ``arena`` (or use ``tier``, an adopted one),
     open the SSD tier if configured, and return the store over them.
+
+    ``cluster``: the cluster tier's settings (the node pool's service only):
+    the store gets a Mooncake client over its arena, which joins the
+    cluster's master in the background (kvtier/cluster/client.py).
 
     ``reaper``: start the process that removes the arena when its owner
     dies (an engine); a meta service keeps its arena for a restart to adopt.
@@ -93,13 +98,21 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
             # recovering blocks whose bytes would be misread.
             ssd, recovered = SsdTier.open(cfg.ssd_paths, cfg.ssd_size_bytes, tier.slot_stride,
                                           cfg.force_new_disk, fingerprint=fingerprint)
+        remote = None
+        if cluster is not None:
+            from kvtier.cluster.client import MooncakeTier  # the kvtier[cluster] extra, only when configured
+
+            remote = MooncakeTier(cluster, tier)
         return TieredStore(tier, cfg.evict_threshold_high, cfg.evict_threshold_low, ssd=ssd,
                            ssd_high_pct=cfg.ssd_evict_threshold_high,
                            ssd_low_pct=cfg.ssd_evict_threshold_low,
                            dram_watermark_pct=cfg.rewarm_dram_watermark,
                            io_threads=cfg.io_threads,
                            demote_queue_blocks=cfg.demote_queue_blocks,
-                           recovered=recovered)
+                           recovered=recovered, cluster=remote,
+                           publish_on_evict=cluster is not None and cluster.publish_on is PublishOn.EVICT,
+                           cluster_timeout_s=cluster.timeout_s if cluster is not None else 2.0,
+                           cluster_lookup_blocks=cluster.lookup_blocks if cluster is not None else 256)
     except BaseException:
         if ssd is not None:
             ssd.close()

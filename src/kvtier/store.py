@@ -88,7 +88,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvtier.movers import DEMOTE_GIVE_UP as DEMOTE_GIVE_UP  # re-exported: part of the store's contract
-from kvtier.movers import PromoteJob, TierMover
+from kvtier.movers import ClusterMover, PromoteJob, RemoteTier, TierMover
+from kvtier.movers import Fetched
 from kvtier.policy import EvictionPolicy, LruPolicy
 from kvtier.tier import DramTier
 from kvtier.tier.ssd import BlockRecord, Recovered, SsdLocation, SsdTier
@@ -114,6 +115,8 @@ class _Entry:
     demoting: bool = False  # being written to SSD
     evict_after: bool = False  # free the DRAM copy once the SSD copy is durable
     doomed: bool = False  # found bad: unreadable now, dropped as soon as nothing uses it
+    in_cluster: bool = False  # published to (or fetched from) the cluster tier
+    from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
 
 
 class SaveSlots(list):
@@ -139,10 +142,12 @@ class SaveSlots(list):
 
 @dataclass(frozen=True)
 class Probe:
-    """Leading keys: ``ready`` readable in DRAM now; ``total`` held in DRAM or on SSD."""
+    """Leading keys: ``ready`` readable in DRAM now; ``total`` held in DRAM,
+    on SSD or, the last ``remote`` of them, only in the cluster tier."""
 
     ready: int
     total: int
+    remote: int = 0
 
 
 # Evictions come in bursts, one per engine step under pressure: each tier
@@ -169,6 +174,17 @@ class EventCounts:
     ssd_evictions: int = 0
     corrupt_dram: int = 0  # DRAM blocks found bad before demotion
     ssd_write_give_ups: int = 0  # 1 once SSD writes stopped after DEMOTE_GIVE_UP failed batches in a row
+    # The cluster tier (all 0 without one).
+    cluster_lookups: int = 0  # keys asked about
+    cluster_hits: int = 0  # keys it said it holds
+    cluster_fetched: int = 0  # blocks fetched, verified and made READY
+    cluster_gone: int = 0  # said present, gone by the fetch (evicted silently, or its node left)
+    cluster_corrupt: int = 0  # fetched but failed the header or checksums (torn, flipped, foreign)
+    cluster_fetch_errors: int = 0  # the transfer failed (master or peer unreachable, stalled)
+    cluster_published: int = 0
+    cluster_publish_failures: int = 0  # puts refused or failed, or the cluster was down
+    cluster_publish_skipped: int = 0  # not published: too many puts in flight
+    cluster_down: int = 0  # times the cluster became unreachable
 
 
 @dataclass(frozen=True)
@@ -200,7 +216,9 @@ class TieredStore:
                  policy: EvictionPolicy | None = None, *, ssd: SsdTier | None = None,
                  ssd_high_pct: float = 95.0, ssd_low_pct: float = 85.0, dram_watermark_pct: float = 95.0,
                  io_threads: int = 4, demote_queue_blocks: int = 256,
-                 recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]] = ()) -> None:
+                 recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]] = (),
+                 cluster: RemoteTier | None = None, publish_on_evict: bool = False,
+                 cluster_timeout_s: float = 2.0, cluster_lookup_blocks: int = 256) -> None:
         self.tier = tier
         self._policy = policy if policy is not None else LruPolicy()
         self._entries: dict[bytes, _Entry] = {}
@@ -249,6 +267,13 @@ class TieredStore:
                                 demote_queue_blocks=demote_queue_blocks)
         if ssd is not None:
             self._adopt(recovered)
+        # The cluster tier below the node pool (kvtier.cluster.*): its own
+        # threads for lookups, fetches and publishing (movers.py). None: the
+        # store behaves exactly as without it.
+        self._cluster = ClusterMover(self, self._lock, self._c, tier, cluster, timeout_s=cluster_timeout_s) \
+            if cluster is not None else None
+        self._publish_on_evict = publish_on_evict
+        self._cluster_lookup = cluster_lookup_blocks
 
     def _adopt(self, recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]]) -> None:
         # Written twice (a newer copy elsewhere before a crash): the newest
@@ -267,15 +292,26 @@ class TieredStore:
 
     def close(self) -> None:
         """Finish the I/O in flight, then stop the I/O threads (tiers are closed by their owner)."""
+        if self._cluster is not None:
+            self._cluster.close()
         self._mover.close()
+
+    @property
+    def cluster(self) -> ClusterMover | None:
+        """The cluster tier's mover (its ``remote`` client, whether it is ``up``), or None."""
+        return self._cluster
 
     def wait_progress(self, timeout_s: float) -> None:
         """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL."""
+        if self._cluster is not None and self.ssd is None:
+            self._cluster.wait_progress(timeout_s)
+            return
         self._mover.wait_progress(timeout_s)
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no demotion or promotion is in flight (tests, shutdown, benchmarks)."""
-        return self._mover.wait_idle(timeout_s)
+        """Wait until no demotion, promotion, fetch or publication is in flight (tests, shutdown, benchmarks)."""
+        ok = self._mover.wait_idle(timeout_s)
+        return (self._cluster.wait_idle(timeout_s) if self._cluster is not None else True) and ok
 
     # --- readers ----------------------------------------------------------
 
@@ -288,6 +324,7 @@ class TieredStore:
         as readable in DRAM stays readable there until the caller pins it
         (its pending "free once on SSD" is cancelled): the caller tells vLLM
         about the hit before it can pin it."""
+        absent = False  # the run stopped at a key held nowhere in the node pool
         with self._lock:
             ready = total = 0
             entries, ssd = self._entries, self._ssd_entries
@@ -314,6 +351,7 @@ class TieredStore:
                 if e is None and s is not None and s.ready:
                     total += 1
                     continue
+                absent = e is None
                 break
             self._c.lookups += 1
             self._c.lookup_hits += total
@@ -323,19 +361,27 @@ class TieredStore:
                     self._dirty.touch(keys[:total])
                 if ssd:
                     ssd.touch(keys[:total])
+        if self._cluster is None or not absent:
             return Probe(ready, total)
+        # Then the cluster tier, outside the lock (a remote call, bounded by
+        # the mover's timeout): the keys it holds after the node pool's run
+        # are fetched by promote().
+        remote = self._cluster.lookup(keys[total : total + self._cluster_lookup])
+        return Probe(ready, total + remote, remote)
 
     def promote(self, keys: Sequence[bytes]) -> int:
         """Start reading the SSD-only ``keys`` into DRAM; returns how many of
         ``keys`` are on their way: PROMOTING, or waiting for DRAM slots that
         demotions in flight are about to free. Stops at the first key that
         is not on SSD."""
-        if self.ssd is None:
+        if self.ssd is None and self._cluster is None:
             return 0
         jobs: list[PromoteJob] = []
+        fetches: list[tuple[bytes, int]] = []
         moving = 0
         with self._lock:
             wanted: list[bytes] = []
+            remote: list[bytes] = []  # held nowhere in the node pool: fetched from the cluster tier
             for key in keys:
                 e = self._entries.get(key)
                 if e is not None:
@@ -343,29 +389,41 @@ class TieredStore:
                         moving += 1
                     continue
                 s = self._ssd_entries.get(key)
-                if s is None or not s.ready:
+                if s is not None and s.ready and not remote:
+                    wanted.append(key)
+                    continue
+                if self._cluster is None:
                     break
-                wanted.append(key)
-            if wanted:
-                self._make_room_locked(len(wanted))
-            for i, key in enumerate(wanted):
+                # The caller's probe found it in the cluster; whether it is
+                # still there is the fetch's answer (gone: a miss, counted).
+                remote.append(key)
+            if wanted or remote:
+                self._make_room_locked(len(wanted) + len(remote))
+            for i, key in enumerate(wanted + remote):
                 if not self._free:
                     if self._freeing:
                         # Room is on its way: demotions in flight free their
                         # DRAM slots when durable. Count these as coming, so
                         # the caller asks again instead of giving up.
-                        moving += len(wanted) - i
+                        moving += len(wanted) + len(remote) - i
                     break
                 slot = self._free.pop()
-                s = self._ssd_entries[key]
                 self.tier.clear(slot, key)
-                self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, on_ssd=True)
+                if i < len(wanted):
+                    s = self._ssd_entries[key]
+                    self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, on_ssd=True)
+                    s.pins += 1
+                    jobs.append((key, slot, s.loc, s.rec))  # type: ignore[arg-type]
+                else:
+                    self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, from_cluster=True)
+                    fetches.append((key, slot))
                 self._policy.insert(key)
-                s.pins += 1
-                jobs.append((key, slot, s.loc, s.rec))  # type: ignore[arg-type]
                 moving += 1
             if jobs:
                 self._mover.promote(jobs)
+            if fetches:
+                assert self._cluster is not None
+                self._cluster.fetch(fetches)
         return moving
 
     def pin(self, keys: Sequence[bytes], step: int, *, owner: int = 0) -> list[int | None]:
@@ -485,6 +543,7 @@ class TieredStore:
         step of the pool for the SSD write back-off, and may start cleaning.
         """
         failed = set(failed_slots)
+        saved: list[bytes] = []  # made READY now: published to the cluster tier (write-through)
         with self._lock:
             self._mover.step_done()  # the clock of the SSD write back-off
             for s, keys in self._take_steps(self._pending, owner, step):
@@ -499,8 +558,12 @@ class TieredStore:
                         e.state = EntryState.READY
                         self.tier.publish(e.slot)
                         self._sync_dirty(key, e)
+                        if self._cluster is not None and not self._publish_on_evict:
+                            saved.append(key)
             for _, keys in self._take_steps(self._pins, owner, step):
                 self._unpin(keys)
+            if saved:
+                self._publish_locked(saved)
             self._clean_locked()
 
     def abandon_saves(self, step: int, *, owner: int = 0) -> int:
@@ -752,11 +815,19 @@ class TieredStore:
                         and e.state is EntryState.READY:
                     self._drop(key, e)
                     freed += 1
+        publish: list[bytes] = []
+        publish_room = self._cluster.room() if self._cluster is not None and self._publish_on_evict else 0
         for key in self._policy.victims():
             if self._effective_used() <= target:
                 break
             e = self._entries[key]
             if e.pins or e.state is not EntryState.READY or e.evict_after:
+                continue
+            if publish_room and not (e.in_cluster or e.doomed or e.demoting):
+                # Published on its way out: pinned until the put ends, then an
+                # ordinary victim of a later eviction (by then in the cluster).
+                publish_room -= 1
+                publish.append(key)
                 continue
             if e.doomed:
                 if not e.demoting:
@@ -784,6 +855,8 @@ class TieredStore:
                 demoted += 1
         if batch:
             self._mover.demote(batch)
+        if publish:
+            self._publish_locked(publish)
         self._c.evictions += freed + lost + demoted
         self._c.evicted_without_copy += lost
         if freed + lost + demoted:
@@ -964,6 +1037,62 @@ class TieredStore:
             self._drop_ssd(key)
         return None
 
+    # --- the cluster tier (ClusterMover's jobs and the store's calls to it) ------
+
+    def _publish_locked(self, keys: list[bytes]) -> None:
+        """Hand READY ``keys`` to the cluster tier, each pinned until its put
+        ends; past the mover's room they are skipped (counted)."""
+        assert self._cluster is not None
+        room = self._cluster.room()
+        jobs = []
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.state is not EntryState.READY or e.doomed or e.in_cluster:
+                continue
+            if room <= 0:
+                self._c.cluster_publish_skipped += 1
+                continue
+            room -= 1
+            e.pins += 1
+            jobs.append((key, e.slot))
+        if jobs:
+            self._cluster.publish(jobs)
+
+    def _end_publish_locked(self, key: bytes, ok: bool, bad: bool) -> None:
+        e = self._entries[key]
+        if ok:
+            e.in_cluster = True
+            self._c.cluster_published += 1
+        elif bad:
+            self._c.corrupt_dram += 1
+            if not e.doomed:
+                e.doomed = True
+                self.tier.publish(e.slot, False)
+                self._sync_dirty(key, e)
+        else:
+            self._c.cluster_publish_failures += 1
+        self._unpin([key])
+
+    def _end_fetch_locked(self, key: bytes, outcome: Fetched) -> None:
+        e = self._entries[key]
+        if e.doomed:  # reset while it was fetched (only clear() dooms a PROMOTING entry)
+            self._drop(key, e)
+            return
+        if outcome is Fetched.OK:
+            e.state = EntryState.READY
+            e.in_cluster = True
+            self.tier.publish(e.slot)
+            self._c.cluster_fetched += 1
+            self._sync_dirty(key, e)
+            return
+        if outcome is Fetched.GONE:
+            self._c.cluster_gone += 1
+        elif outcome is Fetched.CORRUPT:
+            self._c.cluster_corrupt += 1
+        else:
+            self._c.cluster_fetch_errors += 1
+        self._drop(key, e)
+
     def _release_ssd_locked(self, slots: np.ndarray, dirty: bool) -> None:
         """SSD ``slots``, forgotten, have empty headers on disk (unless ``dirty``): free them."""
         self._ssd_entries.release(slots, dirty)
@@ -991,7 +1120,16 @@ class TieredStore:
             "dram_slots_used": self.used_slots,
             "dram_slots_total": self.tier.num_slots, "ssd_slots_used": len(self._ssd_entries),
             "ssd_slots_total": self.ssd.num_slots if self.ssd else 0,
-        }
+        } | (self._cluster_counters() if self._cluster is not None else {})
+
+    def _cluster_counters(self) -> dict[str, int]:
+        c = self._c
+        return {"cluster_lookups": c.cluster_lookups, "cluster_hits": c.cluster_hits,
+                "cluster_fetched": c.cluster_fetched, "cluster_gone": c.cluster_gone,
+                "cluster_corrupt": c.cluster_corrupt, "cluster_fetch_errors": c.cluster_fetch_errors,
+                "cluster_published": c.cluster_published, "cluster_publish_failures": c.cluster_publish_failures,
+                "cluster_publish_skipped": c.cluster_publish_skipped, "cluster_down": c.cluster_down,
+                "cluster_up": int(self._cluster.up)}
 
     def statistics(self) -> StoreStatistics:
         with self._lock:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import KvtierConfig
+from kvtier.config import ClusterConfig, KvtierConfig, PublishOn
 from kvtier.errors import ConfigError
 from kvtier.pool.config import KEYS, PoolConfig, Protocol, accept_any, load_pool_config, parse_service_url
 from kvtier.tools.sizing import format_pool_totals, pool_totals
@@ -169,6 +169,7 @@ def test_memcache_shipped_default_files_parse(tmp_path: Path) -> None:
 # --- every key ---------------------------------------------------------------
 
 SSD_ON = "ock.mmc.local_service.storage.enabled = true\nubsio.disk.path = /tmp/kvtier-ssd\n"
+CLUSTER_ON = "kvtier.cluster.enabled = true\n"
 
 # key -> (value, field, expected, other lines the file needs)
 USED: dict[str, tuple[str, str, object, str]] = {
@@ -192,6 +193,21 @@ USED: dict[str, tuple[str, str, object, str]] = {
     "kvtier.shm_dir": ("/dev/hugepages", "shm_dir", "/dev/hugepages", ""),
     "kvtier.ssd_size": ("64GB", "ssd_size_bytes", 64 * GIB, SSD_ON),
     "kvtier.io_threads": ("8", "io_threads", 8, ""),
+    "kvtier.node_service_url": ("tcp://127.0.0.1:5010", "node_service_url", "tcp://127.0.0.1:5010", ""),
+    "kvtier.cluster.enabled": ("true", "cluster_enabled", True, ""),
+    "kvtier.cluster.master_port": ("50061", "cluster_master_port", 50061, CLUSTER_ON),
+    "kvtier.cluster.master_metrics_port": ("50062", "cluster_master_metrics_port", 50062, CLUSTER_ON),
+    "kvtier.cluster.eviction_watermark": ("80", "cluster_eviction_watermark", 80, CLUSTER_ON),
+    "kvtier.cluster.etcd_endpoints": ("10.0.0.1:2379;10.0.0.2:2379", "cluster_etcd_endpoints",
+                                      "10.0.0.1:2379;10.0.0.2:2379", CLUSTER_ON),
+    "kvtier.cluster.local_hostname": ("10.0.0.2", "cluster_local_hostname", "10.0.0.2", CLUSTER_ON),
+    "kvtier.cluster.segment_size": ("0", "cluster_segment_bytes", 0, CLUSTER_ON),
+    "kvtier.cluster.protocol": ("rdma", "cluster_protocol", "rdma", CLUSTER_ON),
+    "kvtier.cluster.rdma_devices": ("mlx5_1", "cluster_rdma_devices", "mlx5_1", CLUSTER_ON),
+    "kvtier.cluster.metadata_server": ("http://10.0.0.1:8080/metadata", "cluster_metadata_server",
+                                       "http://10.0.0.1:8080/metadata", CLUSTER_ON),
+    "kvtier.cluster.replicas": ("2", "cluster_replicas", 2, CLUSTER_ON),
+    "kvtier.cluster.publish": ("evict", "cluster_publish", PublishOn.EVICT, CLUSTER_ON),
 }
 
 
@@ -617,3 +633,35 @@ def test_example_files_commented_keys_are_valid(tmp_path: Path) -> None:
     assert (cfg.ssd_paths, cfg.ssd_size_bytes, cfg.staging_size_per_device) == (
         ("/dev/loop0", "/dev/loop1"), 64 * GIB, 10 * GIB)
     assert pool_totals(cfg).host_bytes == 8 * 30 * GIB
+
+
+# --- the cluster tier ----------------------------------------------------------
+
+
+def test_cluster_off_by_default_and_its_keys_are_reported_unused(tmp_path: Path) -> None:
+    cfg = load_local(tmp_path, "kvtier.cluster.master_port = 50061\n")
+    assert cfg.cluster_config() is None
+    assert any("kvtier.cluster.master_port is ignored" in line for line in cfg.ignored)
+
+
+def test_worker_node_finds_the_master_through_its_local_file(tmp_path: Path) -> None:
+    """A worker node's local file names the master node's meta service; its
+    own pool listens on kvtier.node_service_url, where its instances attach."""
+    local = write(tmp_path, "mmc-local.conf", "ock.mmc.meta_service_url = tcp://10.0.0.1:5000\n"
+                  "kvtier.node_service_url = tcp://127.0.0.1:5010\n"
+                  "kvtier.cluster.enabled = true\nkvtier.cluster.local_hostname = 10.0.0.2\n")
+    cfg = load_pool_config(None, local, env={})
+    c = cfg.cluster_config()
+    assert isinstance(c, ClusterConfig)
+    assert (c.master_address, c.local_hostname) == ("10.0.0.1:50051", "10.0.0.2")
+    assert (cfg.listen_url, cfg.client_url) == ("tcp://127.0.0.1:5010", "tcp://127.0.0.1:5010")
+    assert c.publish_on is PublishOn.SAVE and c.metadata_server == "P2PHANDSHAKE"
+
+
+@pytest.mark.parametrize("line", ["kvtier.cluster.protocol = udp", "kvtier.cluster.replicas = 0",
+                                  "kvtier.cluster.local_hostname = xx.xx.xx.xx",
+                                  "kvtier.cluster.etcd_endpoints = 10.0.0.1", "kvtier.cluster.publish = never"])
+def test_bad_cluster_values_name_the_key(tmp_path: Path, line: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_local(tmp_path, f"kvtier.cluster.enabled = true\n{line}\n")
+    assert line.split(" = ")[0] in str(err.value)

@@ -54,6 +54,7 @@ class _ReqState:
     device_tokens: int = 0  # vLLM's own hit, from the last lookup
     hit_blocks: int = 0  # pool-held leading blocks, from the last lookup
     disk_keys: set[bytes] = field(default_factory=set)  # keys this request had promoted from SSD
+    p2p_keys: set[bytes] = field(default_factory=set)  # keys this request had fetched from the cluster tier
     load_keys: list[bytes] = field(default_factory=list)  # keys of the last planned load
     waiting_since: float | None = None  # waiting for a promotion since (monotonic)
     seed: bytes = b""  # the chain's seed: the namespace, plus the request's LoRA and cache salt
@@ -161,6 +162,9 @@ class SchedulerSide:
                 moving = self.store.promote(wanted)
                 if moving:
                     st.disk_keys.update(wanted[:moving])
+                    if probe.remote:
+                        # Held only by another node: vLLM counts these as p2p hits.
+                        st.p2p_keys.update(keys[probe.total - probe.remote : probe.total])
                     # vLLM asks again on its next pass, at once when it has
                     # nothing else to run. Give the I/O threads the GIL for a
                     # moment first: a scheduler spinning on this lookup held
@@ -336,11 +340,14 @@ class SchedulerSide:
         if not num_external_tokens:
             return {}
         st = self._reqs.get(request.request_id)
-        disk = 0
+        disk = p2p = 0
         if st is not None and st.disk_keys:
-            disk = sum(1 for k in st.load_keys if k in st.disk_keys) * self.block_tokens
-        disk = min(disk, num_external_tokens)
-        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+            p2p = sum(1 for k in st.load_keys if k in st.p2p_keys) * self.block_tokens
+            disk = sum(1 for k in st.load_keys if k in st.disk_keys and k not in st.p2p_keys) * self.block_tokens
+        p2p = min(p2p, num_external_tokens)
+        disk = min(disk, num_external_tokens - p2p)
+        out = {CacheHitSource.HOST: num_external_tokens - disk - p2p, CacheHitSource.DISK: disk,
+               CacheHitSource.P2P: p2p}
         return {src: n for src, n in out.items() if n}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:

@@ -21,6 +21,10 @@ COUNTERS = (
     "blocks_demoted", "demote_failures", "evicted_without_copy",
     "blocks_promoted", "promote_failures", "ssd_corrupt_blocks", "ssd_read_errors",
     "ssd_evictions", "ssd_write_give_ups",
+    # The cluster tier (counted apart): blocks fetched from other nodes, published, and the
+    # ones the cluster said it held but that could not be used, by cause.
+    "cluster_hits", "cluster_fetched", "cluster_gone", "cluster_corrupt", "cluster_fetch_errors",
+    "cluster_published", "cluster_publish_failures", "cluster_publish_skipped", "cluster_down",
 )
 # Gauges: the latest value wins.
 GAUGES = ("dram_slots_used", "dram_slots_total", "ssd_slots_used", "ssd_slots_total")

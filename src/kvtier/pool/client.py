@@ -210,7 +210,7 @@ class PoolPlacement:
         if not keys:
             return Probe(0, 0)
         r = self._call(wire.Probe(0, list(keys)))
-        return Probe(r.ready, r.total) if isinstance(r, wire.ProbeReply) else Probe(0, 0)
+        return Probe(r.ready, r.total, r.remote) if isinstance(r, wire.ProbeReply) else Probe(0, 0)
 
     def promote(self, keys: Sequence[bytes]) -> int:
         r = self._call(wire.Promote(0, list(keys)))

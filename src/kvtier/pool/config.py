@@ -47,7 +47,8 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
-from kvtier.config import KvtierConfig, parse_bool, parse_int_range, parse_path, parse_paths, parse_size
+from kvtier.config import (ClusterConfig, KvtierConfig, PublishOn, parse_bool, parse_enum, parse_int_range, parse_path,
+                           parse_paths, parse_size)
 from kvtier.errors import ConfigError
 
 Parser = Callable[[str, object, str], object]
@@ -220,6 +221,28 @@ def _parse_abs_path(key: str, value: object, source: str = "") -> str:
     return path
 
 
+def _parse_cluster_protocol(key: str, value: object, source: str = "") -> str:
+    text = str(value).strip().lower()
+    if text not in ("tcp", "rdma"):
+        raise ConfigError(key, value, "expected tcp or rdma (Mooncake's transfer engine protocols)", source)
+    return text
+
+
+def _parse_host(key: str, value: object, source: str = "") -> str:
+    text = str(value).strip()
+    if not _HOST.match(text) or _PLACEHOLDER.match(text):
+        raise ConfigError(key, value, "expected this node's IP address or host name, reachable by the other nodes",
+                          source)
+    return text.strip("[]")
+
+
+def _parse_etcd(key: str, value: object, source: str = "") -> str:
+    text = str(value).strip()
+    for part in filter(None, text.split(";")):
+        _host_port(key, value, part.removeprefix("http://"), "HOST:PORT;HOST:PORT", source, allow_zero=False)
+    return text
+
+
 def accept_any(key: str, value: object, source: str = "") -> object:
     return value
 
@@ -373,6 +396,23 @@ KEYS: dict[str, PoolKey] = {k.name: k for k in [
     _used("kvtier.shm_dir", "shm_dir", _parse_abs_path, "local", "/dev/shm"),
     _used("kvtier.ssd_size", "ssd_size_bytes", parse_size, "local", "64GB"),
     _used("kvtier.io_threads", "io_threads", parse_int_range(1, 64), "local", "4"),
+    # The cluster tier (Mooncake Store under the node pool; docs/configuration.md)
+    _used("kvtier.node_service_url", "node_service_url", parse_service_url, "local", "tcp://127.0.0.1:5010"),
+    _used("kvtier.cluster.enabled", "cluster_enabled", parse_bool, "local", "true"),
+    _used("kvtier.cluster.master_port", "cluster_master_port", parse_int_range(1025, 65535), "meta", "50051"),
+    _used("kvtier.cluster.master_metrics_port", "cluster_master_metrics_port", parse_int_range(1025, 65535),
+          "meta", "50052"),
+    _used("kvtier.cluster.eviction_watermark", "cluster_eviction_watermark", parse_int_range(50, 99), "meta", "90"),
+    _used("kvtier.cluster.etcd_endpoints", "cluster_etcd_endpoints", _parse_etcd, "meta",
+          "127.0.0.1:2379;127.0.0.1:2381"),
+    _used("kvtier.cluster.local_hostname", "cluster_local_hostname", _parse_host, "local", "127.0.0.1"),
+    _used("kvtier.cluster.segment_size", "cluster_segment_bytes",
+          lambda k, v, s: parse_size(k, v, s, allow_zero=True), "local", "4GB"),
+    _used("kvtier.cluster.protocol", "cluster_protocol", _parse_cluster_protocol, "local", "tcp"),
+    _used("kvtier.cluster.rdma_devices", "cluster_rdma_devices", accept_any, "local", "mlx5_0"),
+    _used("kvtier.cluster.metadata_server", "cluster_metadata_server", accept_any, "local", "P2PHANDSHAKE"),
+    _used("kvtier.cluster.replicas", "cluster_replicas", parse_int_range(1, 8), "local", "1"),
+    _used("kvtier.cluster.publish", "cluster_publish", parse_enum(PublishOn), "local", "save"),
 ]}
 
 
@@ -423,6 +463,23 @@ class PoolConfig:
     shm_dir: str = "/dev/shm"
     io_threads: int = 4
     log_level: int = logging.INFO
+    # The cluster tier: off unless cluster_enabled. The master runs on the
+    # host of meta_url (the master node), found by other nodes through the
+    # host of their local file's meta_service_url.
+    node_service_url: str | None = None
+    cluster_enabled: bool = False
+    cluster_master_host: str = "127.0.0.1"
+    cluster_master_port: int = 50051
+    cluster_master_metrics_port: int = 50052
+    cluster_eviction_watermark: int = 90
+    cluster_etcd_endpoints: str = ""
+    cluster_local_hostname: str | None = None
+    cluster_segment_bytes: int = 1 << 30
+    cluster_protocol: str = "tcp"
+    cluster_rdma_devices: str = ""
+    cluster_metadata_server: str = "P2PHANDSHAKE"
+    cluster_replicas: int = 1
+    cluster_publish: PublishOn = PublishOn.SAVE
     ignored: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
@@ -431,6 +488,25 @@ class PoolConfig:
     def dram_bytes(self) -> int:
         """The node's DRAM arena: dram.size per device x devices."""
         return self.dram_size_per_device * self.devices
+
+    @property
+    def listen_url(self) -> str:
+        """Where this node's pool listens: ``kvtier.node_service_url`` on a
+        worker node (``kvtier meta --role local``), else ``meta_url``."""
+        return self.node_service_url or self.meta_url
+
+    def cluster_config(self) -> ClusterConfig | None:
+        """The cluster tier's settings, or None when ``kvtier.cluster.enabled`` is not true."""
+        if not self.cluster_enabled:
+            return None
+        return ClusterConfig(
+            master_host=self.cluster_master_host, master_port=self.cluster_master_port,
+            master_metrics_port=self.cluster_master_metrics_port,
+            local_hostname=self.cluster_local_hostname or self.cluster_master_host,
+            segment_bytes=self.cluster_segment_bytes, protocol=self.cluster_protocol,
+            rdma_devices=self.cluster_rdma_devices, metadata_server=self.cluster_metadata_server,
+            replicas=self.cluster_replicas, etcd_endpoints=self.cluster_etcd_endpoints,
+            eviction_high_watermark=self.cluster_eviction_watermark / 100, publish_on=self.cluster_publish)
 
     def store_config(self) -> KvtierConfig:
         """The :class:`KvtierConfig` the meta service builds its store from (the node's whole arena)."""
@@ -566,6 +642,15 @@ def _resolve(files: list[tuple[str, str, dict[str, _Setting]]], env: Mapping[str
     if client_addr is not None:
         assert isinstance(client_addr.parsed, ServiceAddress)
         out["client_url"] = client_addr.parsed.url
+        # The cluster's master runs beside the master node's meta service:
+        # a worker node finds it at the host its local file names.
+        out["cluster_master_host"] = client_addr.parsed.host or "127.0.0.1"
+    if values.get("node_service_url") is not None:
+        node = values["node_service_url"]
+        assert isinstance(node, ServiceAddress)
+        values["node_service_url"] = node.url
+        # This node's instances attach to its own pool, not the master node's.
+        out["client_url"] = node.url
     if meta_addr is not None and client_addr is not None and client_addr.value != meta_addr.value:
         warnings.append(f"{client_addr.source}: instances connect to {client_addr.value!r} while the meta service "
                         f"listens on {meta_addr.value!r} ({meta_addr.source}): check they are the same service")
@@ -597,6 +682,12 @@ def _resolve(files: list[tuple[str, str, dict[str, _Setting]]], env: Mapping[str
                 values.pop(field_, None)  # type: ignore[arg-type]
                 ignored.append(f"{chosen[key].source}: {key} is ignored: "
                                "ock.mmc.local_service.storage.enabled is not true")
+
+    if not values.get("cluster_enabled"):
+        for key in [k for k in chosen if k.startswith("kvtier.cluster.") and k != "kvtier.cluster.enabled"]:
+            field_ = KEYS[key].field
+            values.pop(field_, None)  # type: ignore[arg-type]
+            ignored.append(f"{chosen[key].source}: {key} is ignored: kvtier.cluster.enabled is not true")
 
     # Watermarks, checked with the names the files use.
     high = values.get("evict_threshold_high", PoolConfig.evict_threshold_high)

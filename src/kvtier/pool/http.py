@@ -63,12 +63,17 @@ class _PoolCollector:
                                      labels=["instance"])
         found = CounterMetricFamily("kvtier_pool_hit_keys", "Block keys found, by tier and instance",
                                     labels=["tier", "instance"])
-        for name, (n_look, n_dram, n_ssd) in svc.lookups_by_instance().items():
+        clustered = svc.opts.cluster is not None
+        for name, (n_look, n_dram, n_ssd, n_cluster) in svc.lookups_by_instance().items():
             looked.add_metric([name], n_look)
             found.add_metric(["dram", name], n_dram)
             found.add_metric(["ssd", name], n_ssd)
+            if clustered:
+                found.add_metric(["cluster", name], n_cluster)
         yield looked
         yield found
+        if clustered:
+            yield from _cluster_metrics(svc)
         events = CounterMetricFamily("kvtier_pool_events", "Pool events by kind", labels=["event"])
         if store is not None:
             c = store.counters()
@@ -86,6 +91,74 @@ class _PoolCollector:
         leases.add_metric(["pinned"], acc["pinned_entries"])
         leases.add_metric(["unsettled"], acc["unsettled_entries"])
         yield leases
+
+
+# What the Mooncake master's own /metrics says about the whole cluster, re-exported.
+_MASTER_GAUGES = {"master_allocated_bytes": "used_bytes", "master_total_capacity_bytes": "capacity_bytes",
+                  "master_key_count": "keys", "master_active_clients": "clients"}
+
+
+def _cluster_metrics(svc: MetaService) -> Iterator[object]:
+    """The cluster tier: this node's counts (by cause for what it dropped),
+    whether it is reachable, and the master's usage when it answers."""
+    store = svc.store
+    mover = store.cluster if store is not None else None
+    up = GaugeMetricFamily("kvtier_cluster_up", "1 while the cluster tier's master answers this node")
+    up.add_metric([], 1 if mover is not None and mover.up else 0)
+    yield up
+    ev = CounterMetricFamily("kvtier_cluster_events", "Cluster tier events on this node, by kind", labels=["event"])
+    dropped = CounterMetricFamily("kvtier_cluster_dropped_blocks",
+                                  "Blocks the cluster said it held but that could not be used, by cause",
+                                  labels=["cause"])
+    if store is not None:
+        c = store.counters()
+        for name in ("cluster_lookups", "cluster_hits", "cluster_fetched", "cluster_published",
+                     "cluster_publish_failures", "cluster_publish_skipped", "cluster_down"):
+            ev.add_metric([name.removeprefix("cluster_")], c.get(name, 0))
+        for cause, name in (("gone", "cluster_gone"), ("corrupt", "cluster_corrupt"),
+                            ("transfer_error", "cluster_fetch_errors")):
+            dropped.add_metric([cause], c.get(name, 0))
+    yield ev
+    yield dropped
+    sup = svc.cluster_master
+    if sup is not None:
+        r = GaugeMetricFamily("kvtier_cluster_master_restarts", "Times this node restarted the Mooncake master")
+        r.add_metric([], sup.restarts)
+        yield r
+        pid = GaugeMetricFamily("kvtier_cluster_master_pid", "Process id of the Mooncake master this node runs")
+        pid.add_metric([], sup.pid or 0)
+        yield pid
+    usage = _master_usage(svc)
+    if usage:
+        g = GaugeMetricFamily("kvtier_cluster_master", "The Mooncake master's figures for the whole cluster",
+                              labels=["figure"])
+        for name, value in usage.items():
+            g.add_metric([name], value)
+        yield g
+
+
+def _master_usage(svc: MetaService) -> dict[str, float]:
+    """The master's capacity, use, keys and evictions, from its metrics endpoint ({} if it does not answer)."""
+    cfg = svc.opts.cluster
+    if cfg is None:
+        return {}
+    import httpx
+
+    try:
+        text = httpx.get(f"http://{cfg.master_host}:{cfg.master_metrics_port}/metrics", timeout=0.5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        key = _MASTER_GAUGES.get(name) or (name.removeprefix("master_") if name.startswith("master_") and
+                                           "evict" in name and "{" not in name else None)
+        if key:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
 
 
 def _tiers(svc: MetaService) -> list[tuple[str, int, int, int]]:

@@ -6,6 +6,13 @@ HTTP endpoint, prints where both are, and waits for SIGINT or SIGTERM; then
 it stops the service (sessions closed, I/O finished, arena removed) and
 exits 0. A bad configuration or an address in use exits 2 with one line
 naming the key; nothing it created stays behind.
+
+With the cluster tier on (``kvtier.cluster.enabled``), ``--role meta`` (the
+master node, the default) also starts Mooncake's master as a supervised
+child (cluster/master.py) before the pool; ``--role local`` (every other
+node) starts only the node's pool, at ``kvtier.node_service_url``, which
+joins the master found at the host of the local file's
+``ock.mmc.meta_service_url``.
 """
 
 from __future__ import annotations
@@ -25,8 +32,13 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--meta-config", "--config", dest="meta_config", default=None,
                    help="the meta config file (default: $MMC_META_CONFIG_PATH)")
     p.add_argument("--local-config", default=None, help="the local config file (default: $MMC_LOCAL_CONFIG_PATH)")
+    p.add_argument("--role", choices=("meta", "local"), default="meta",
+                   help="meta: the master node (starts Mooncake's master when the cluster tier is on); "
+                        "local: another node's pool, listening at kvtier.node_service_url")
     p.add_argument("--ready-file", default=None,
                    help="write the service's socket and metrics URLs here once it serves (for scripts)")
+    p.add_argument("--cluster-log", default=None,
+                   help="with the cluster tier on, where Mooncake's master writes its log (default: nowhere)")
     return p
 
 
@@ -46,10 +58,26 @@ def run(args: argparse.Namespace) -> int:
         log.info("%s", line)
     for line in cfg.warnings:
         log.warning("%s", line)
-    svc = MetaService(ServiceOptions(url=cfg.meta_url, store=cfg.store_config(), lease_ttl_ms=cfg.lease_ttl_ms,
-                                     token=cfg.token))
+    role = getattr(args, "role", "meta")
+    cluster = cfg.cluster_config()
+    if role == "local" and not cfg.node_service_url:
+        log.error("kvtier meta --role local needs kvtier.node_service_url in the local file: where this node's pool "
+                  "listens (its local file's ock.mmc.meta_service_url names the master node)")
+        return 2
+    svc = MetaService(ServiceOptions(url=cfg.listen_url if role == "local" else cfg.meta_url,
+                                     store=cfg.store_config(), lease_ttl_ms=cfg.lease_ttl_ms, token=cfg.token,
+                                     cluster=cluster))
     http: PoolHttp | None = None
+    master = None
     try:
+        if cluster is not None:
+            from kvtier.cluster.master import MasterSupervisor, master_program
+
+            master_program()  # the extra is installed, or one line saying so
+            if role == "meta":
+                master = MasterSupervisor(cluster, log_path=args.cluster_log or None)
+                master.start()
+                svc.cluster_master = master
         svc.start()
         try:
             http = PoolHttp(svc, cfg.metrics_host, cfg.metrics_port)
@@ -60,10 +88,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         log.error("%s", err)
         svc.stop(keep_adoptable=True)
+        if master is not None:
+            master.stop()
         return 2
     except OSError as err:
         log.error("kvtier meta: cannot start: %s", err)
         svc.stop(keep_adoptable=True)
+        if master is not None:
+            master.stop()
         return 2
     log.info("kvtier meta: serving the node pool at %s; metrics at %s/metrics (files: %s)", svc.address, http.url,
              ", ".join(cfg.sources) or "none, defaults")
@@ -78,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("kvtier meta: stopping")
     http.stop()
     svc.stop()
+    if master is not None:
+        master.stop()
     return 0
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import msgspec
 import xxhash
 
-from kvtier.config import KvtierConfig
+from kvtier.config import ClusterConfig, KvtierConfig
 from kvtier.errors import ConfigError
 from kvtier.placement import close_store, open_store
 from kvtier.pool import wire
@@ -100,6 +100,7 @@ class ServiceOptions:
     slot_grace_ms: int | None = None
     token: str | None = None
     name: str = ""  # names the arena; by default from the URL
+    cluster: ClusterConfig | None = None  # the cluster tier under the pool (kvtier.cluster.*), or none
 
 
 class MetaService:
@@ -122,6 +123,7 @@ class MetaService:
         self.sessions_expired = 0
         self.bad_messages = 0
         self.rpc_seconds: Callable[[str, float], None] | None = None  # metrics hook
+        self.cluster_master = None  # the MasterSupervisor beside this service (master node), for /metrics
         # Per instance name, kept after its sessions end: keys looked up,
         # found in DRAM, found on SSD only.
         self._lookups: dict[str, list[int]] = {}
@@ -242,7 +244,7 @@ class MetaService:
                     log.info("kvtier meta: the old arena holds another geometry; starting cold")
                     old.close()  # owner: removes it
                 self.store = open_store(self.opts.store, arena, rank_bytes, ranks, fingerprint, reaper=False,
-                                        tier=old if adopt else None)
+                                        tier=old if adopt else None, cluster=self.opts.cluster)
                 self.geometry = (ranks, rank_bytes)
                 if adopt:
                     try:
@@ -390,11 +392,12 @@ class MetaService:
         if isinstance(msg, wire.Probe):
             p = store.probe(msg.keys)
             with self._lock:
-                tally = self._lookups.setdefault(s.name, [0, 0, 0])
+                tally = self._lookups.setdefault(s.name, [0, 0, 0, 0])
                 tally[0] += len(msg.keys)
                 tally[1] += p.ready
-                tally[2] += p.total - p.ready
-            reply = wire.ProbeReply(msg.id, p.ready, p.total)
+                tally[2] += p.total - p.ready - p.remote
+                tally[3] += p.remote
+            reply = wire.ProbeReply(msg.id, p.ready, p.total, p.remote)
         elif isinstance(msg, wire.Pin):
             reply = wire.Slots(msg.id, [-1 if x is None else x for x in store.pin(msg.keys, msg.step, owner=owner)],
                                len(msg.keys))
@@ -468,10 +471,10 @@ class MetaService:
         with self._lock:
             return list(self._sessions.values())
 
-    def lookups_by_instance(self) -> dict[str, tuple[int, int, int]]:
-        """Instance name -> (keys looked up, found in DRAM, found on SSD only)."""
+    def lookups_by_instance(self) -> dict[str, tuple[int, int, int, int]]:
+        """Instance name -> (keys looked up, found in DRAM, found on SSD only, found in the cluster only)."""
         with self._lock:
-            return {name: (a, b, c) for name, (a, b, c) in self._lookups.items()}
+            return {name: (a, b, c, d) for name, (a, b, c, d) in self._lookups.items()}
 
     def key_info(self, key: bytes) -> dict[str, object]:
         """Where the pool holds ``key`` (read-only: no recency change)."""

@@ -26,7 +26,7 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: ProbeReply.remote (the cluster tier)
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
 KEY_BYTES = 16
 _LEN = struct.Struct("<I")
@@ -139,6 +139,7 @@ class ProbeReply(_Msg):
     id: int
     ready: int
     total: int
+    remote: int = 0  # of ``total``, the last ones held only in the cluster tier (protocol 2)
 
 
 class Count(_Msg):

@@ -73,6 +73,16 @@ _HEADER = np.dtype(
 assert _HEADER.itemsize == 128
 
 
+HEADER_BYTES = _HEADER.itemsize
+
+
+def parse_header(raw: bytes | memoryview) -> SlotHeader:
+    """A slot header as :meth:`DramTier.header` reads it, from ``HEADER_BYTES``
+    bytes copied out of an arena (a value of the cluster tier carries one)."""
+    h = np.frombuffer(raw, dtype=_HEADER, count=1)[0]
+    return SlotHeader(bytes(h["key"]), _mask(h), tuple(int(c) for c in h["checksum"]))
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -390,6 +400,22 @@ class DramTier:
     @property
     def size_bytes(self) -> int:
         return self.num_slots * self.slot_stride
+
+    # --- addresses (for a transfer engine that reads and writes the arena in place) ---
+
+    @property
+    def mapped_range(self) -> tuple[int, int]:
+        """(address, bytes) of this process's mapping of the whole arena,
+        headers and slots: what a transfer engine registers once."""
+        return self._headers.ctypes.data - _PAGE, self._data_off + self.num_slots * self.slot_stride
+
+    def header_address(self, slot: int) -> int:
+        """Address of ``slot``'s header (``HEADER_BYTES``) in this process's mapping."""
+        return self._headers.ctypes.data + slot * HEADER_BYTES
+
+    def slot_address(self, slot: int) -> int:
+        """Address of ``slot``'s data (``slot_stride`` bytes, 4 KiB aligned) in this process's mapping."""
+        return self._headers.ctypes.data - _PAGE + self._data_off + slot * self.slot_stride
 
     # --- data -------------------------------------------------------------
 

@@ -1,0 +1,213 @@
+"""MooncakeTier: the node pool's side of the cluster tier, a Mooncake Store client.
+
+Runs in the process that owns the node's arena (the meta service,
+``kvtier meta`` or ``kvtier local``), called from the store's
+:class:`~kvtier.movers.ClusterMover` threads, never from the store's lock
+or the scheduler's path. It imports ``mooncake`` (the ``kvtier[cluster]``
+extra) only in :meth:`connect`.
+
+Order of calls::
+
+    tier = MooncakeTier(cfg, arena)       # nothing connected
+    tier.connect()                        # setup, arena registered; ClusterError if the master is away
+    tier.exists(keys)       -> [bool]     # batch_is_exist
+    tier.fetch(keys, slots) -> [Fetched]  # batch_get_into_multi_buffers, straight into arena slots
+    tier.publish(keys, slots) -> [bool]   # batch_put_from_multi_buffers, straight from arena slots
+    tier.close()
+
+Values: a value is the block's 128-byte DRAM slot header (key, a ready mark
+per rank, a checksum per rank, each seeded with the key) followed by the
+slot's bytes, as the arena holds them; both parts travel zero copy (the
+whole arena is registered with Mooncake's transfer engine). A fetch lands
+the data in the DRAM slot the store took for it and the header in a staging
+buffer; the block counts only if the header names the key, every rank is
+marked ready and every rank's bytes match their checksum. Only then is the
+arena's header sealed. A value that is torn, flipped, foreign (another
+geometry, another writer) or short is a miss (``Fetched.CORRUPT``), never
+KV.
+
+Keys: ``kvtier1/<ranks>x<rank_bytes>/<block key hex>``. The block key holds
+the model, dtypes, layout and parallel sizes (keys.py), so instances of
+different models share one cluster without meeting; the geometry in the
+name keeps pools of other slot shapes apart before a byte moves.
+
+Thread safety: Mooncake's client is called from several threads; the
+staging buffer of headers is split per call under a lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+
+from kvtier.config import ClusterConfig
+from kvtier.errors import ClusterError
+from kvtier.tier.dram import HEADER_BYTES, DramTier, checksum, parse_header
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "kvtier1"
+STAGING_HEADERS = 1024  # headers one fetch call may stage; bigger batches are split
+_NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
+
+
+class Fetched(enum.Enum):
+    """How the fetch of one block ended."""
+
+    OK = "ok"  # verified and sealed in its DRAM slot
+    GONE = "gone"  # the cluster no longer has it (evicted since the lookup, or its node left)
+    CORRUPT = "corrupt"  # it came, but fails its header or checksums (torn, flipped, foreign)
+    ERROR = "error"  # the transfer failed (master or peer unreachable, timeout)
+
+
+class MooncakeTier:
+    """One node's client of the cluster: its arena, registered, and the calls on it."""
+
+    def __init__(self, cfg: ClusterConfig, tier: DramTier) -> None:
+        self.cfg = cfg
+        self.tier = tier
+        self._store = None
+        self._staging: mmap.mmap | None = None
+        self._staging_addr = 0
+        self._staging_lock = threading.Lock()
+        self._replicate = None
+        self._tag = f"{KEY_PREFIX}/{tier.ranks}x{tier.rank_bytes}/"
+        self._value_bytes = HEADER_BYTES + tier.slot_stride
+
+    # --- connection -------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._store is not None
+
+    def connect(self) -> None:
+        """Set up Mooncake's client against the master and register the arena.
+        Raises ClusterError (the master is not there yet: the caller retries)."""
+        if self._store is not None:
+            return
+        # Mooncake logs every call at INFO through glog on stderr; warnings
+        # and errors are enough beside kvtier's own lines (read at load).
+        os.environ.setdefault("GLOG_minloglevel", "1")
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as err:  # pragma: no cover - the extra's absence is refused at config time
+            raise ClusterError(f"the cluster tier needs the kvtier[cluster] extra: {err}") from None
+        cfg = self.cfg
+        store = MooncakeDistributedStore()
+        # local_buffer_size 0: every transfer is zero copy from or into the
+        # registered arena, so Mooncake needs no buffer of its own.
+        rc = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, 0, cfg.protocol,
+                         cfg.rdma_devices, cfg.master_address)
+        if rc != 0:
+            store.close()
+            raise ClusterError(f"Mooncake setup against the master at {cfg.master_address} failed ({rc})")
+        addr, size = self.tier.mapped_range
+        staging = mmap.mmap(-1, STAGING_HEADERS * HEADER_BYTES)
+        staging_addr = ctypes.addressof(ctypes.c_char.from_buffer(staging))
+        for what, a, n in (("the arena", addr, size), ("the header staging buffer", staging_addr, len(staging))):
+            rc = store.register_buffer(a, n)
+            if rc != 0:
+                store.close()
+                raise ClusterError(f"registering {what} with Mooncake failed ({rc})")
+        rep = ReplicateConfig()
+        rep.replica_num = cfg.replicas
+        self._replicate = rep
+        self._staging, self._staging_addr = staging, staging_addr
+        self._store = store
+        log.info("kvtier cluster: joined the Mooncake master at %s as %s (lends %d MiB, %s)", cfg.master_address,
+                 cfg.local_hostname, cfg.segment_bytes >> 20, cfg.protocol)
+
+    def close(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - closing a client of a dead master must not raise
+                log.debug("kvtier cluster: closing the Mooncake client failed", exc_info=True)
+
+    def healthy(self) -> bool:
+        """True when connected and the master answers."""
+        store = self._store
+        return store is not None and store.health_check() == 0
+
+    def _client(self):
+        store = self._store
+        if store is None:
+            raise ClusterError("not connected to the cluster's master")
+        return store
+
+    def name(self, key: bytes) -> str:
+        return self._tag + key.hex()
+
+    # --- calls ------------------------------------------------------------
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the cluster holds each key now. ClusterError when it cannot say."""
+        if not keys:
+            return []
+        got = self._client().batch_is_exist([self.name(k) for k in keys])
+        if len(got) != len(keys) or any(x < 0 for x in got):
+            raise ClusterError(f"existence check failed ({min(got, default=-1)})")
+        return [x == 1 for x in got]
+
+    def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]:
+        """Put each block from its arena ``slot`` (held unchanged by the caller
+        until this returns). True where the cluster took it (or had it)."""
+        if not keys:
+            return []
+        tier = self.tier
+        ptrs = [[tier.header_address(s), tier.slot_address(s)] for s in slots]
+        sizes = [[HEADER_BYTES, tier.slot_stride]] * len(keys)
+        got = self._client().batch_put_from_multi_buffers([self.name(k) for k in keys], ptrs, sizes,
+                                                          self._replicate)
+        if len(got) != len(keys):
+            raise ClusterError("put answered for another number of keys")
+        return [x == 0 for x in got]
+
+    def fetch(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[Fetched]:
+        """Get each block into its arena ``slot`` (taken by the caller, not
+        readable by anyone), verify it and seal the slot's header."""
+        out: list[Fetched] = []
+        for i in range(0, len(keys), STAGING_HEADERS):
+            out += self._fetch(keys[i : i + STAGING_HEADERS], slots[i : i + STAGING_HEADERS])
+        return out
+
+    def _fetch(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[Fetched]:
+        tier = self.tier
+        store = self._client()
+        with self._staging_lock:
+            staging = self._staging
+            assert staging is not None
+            ptrs = [[self._staging_addr + i * HEADER_BYTES, tier.slot_address(s)] for i, s in enumerate(slots)]
+            sizes = [[HEADER_BYTES, tier.slot_stride]] * len(keys)
+            got = store.batch_get_into_multi_buffers([self.name(k) for k in keys], ptrs, sizes)
+            if len(got) != len(keys):
+                raise ClusterError("get answered for another number of keys")
+            out = []
+            for i, (key, slot, n) in enumerate(zip(keys, slots, got)):
+                if n == _NOT_FOUND:
+                    out.append(Fetched.GONE)
+                elif n < 0:
+                    out.append(Fetched.ERROR)
+                elif n != self._value_bytes:
+                    out.append(Fetched.CORRUPT)
+                else:
+                    hdr = parse_header(staging[i * HEADER_BYTES : (i + 1) * HEADER_BYTES])
+                    out.append(Fetched.OK if self._seal_if_intact(slot, key, hdr.key, hdr.ready_mask,
+                                                                  hdr.checksums) else Fetched.CORRUPT)
+            return out
+
+    def _seal_if_intact(self, slot: int, key: bytes, hkey: bytes, mask: int, sums: tuple[int, ...]) -> bool:
+        tier = self.tier
+        full = (1 << tier.ranks) - 1
+        if hkey != key or mask & full != full:
+            return False
+        if any(checksum(tier.rank_view(slot, r), key) != sums[r] for r in range(tier.ranks)):
+            return False
+        tier.seal_all(slot, key, full, sums[: tier.ranks])
+        return True

@@ -1,0 +1,290 @@
+"""The cluster tier with real parts: a ``mooncake_master`` process on 127.0.0.1
+(free ports), a peer node in a process of its own (cluster_node.py: its own
+arena, store and Mooncake client, so transfers cross processes over TCP as
+between nodes), and this process as the other node: a store whose misses
+go to the cluster.
+
+Needs the ``kvtier[cluster]`` extra; skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[cluster] extra")
+
+from kvtier.cluster.client import Fetched, MooncakeTier  # noqa: E402
+from kvtier.cluster.master import MasterSupervisor, port_open  # noqa: E402
+from kvtier.config import ClusterConfig  # noqa: E402
+from kvtier.store import EntryState, TieredStore  # noqa: E402
+from kvtier.tier.dram import DramTier  # noqa: E402
+from kvtier.tools.server import free_port  # noqa: E402
+from tests.unit.cluster_node import block_bytes, block_key  # noqa: E402
+
+NODE = Path(__file__).with_name("cluster_node.py")
+RANK_BYTES = 64 << 10
+
+
+def wait_for(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def cluster_cfg() -> ClusterConfig:
+    return ClusterConfig(master_port=free_port(), master_metrics_port=free_port(), segment_bytes=64 << 20)
+
+
+@pytest.fixture
+def master(cluster_cfg: ClusterConfig, tmp_path: Path) -> Iterator[MasterSupervisor]:
+    sup = MasterSupervisor(cluster_cfg, log_path=tmp_path / "master.log")
+    sup.start()
+    yield sup
+    sup.stop()
+
+
+class Peer:
+    """The other node: cluster_node.py in its own process."""
+
+    def __init__(self, cfg: ClusterConfig, tmp_path: Path) -> None:
+        self.shm = f"/dev/shm/kvtier-test-peer-{uuid.uuid4().hex}"
+        self.proc = subprocess.Popen([sys.executable, str(NODE), "--master", cfg.master_address, "--shm", self.shm,
+                                      "--rank-bytes", str(RANK_BYTES)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=open(tmp_path / "peer.log", "ab"), text=True)
+        assert self.read() == {"ready": True}
+
+    def read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "the peer node exited"
+        return json.loads(line)
+
+    def do(self, **cmd: object) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if os.path.exists(self.shm):
+            os.unlink(self.shm)
+
+
+@pytest.fixture
+def peer(master: MasterSupervisor, cluster_cfg: ClusterConfig, tmp_path: Path) -> Iterator[Peer]:
+    p = Peer(cluster_cfg, tmp_path)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def node(make_tier, cluster_cfg: ClusterConfig, master: MasterSupervisor) -> Iterator[TieredStore]:
+    """This process's node: a store of 32 slots with the cluster tier under it."""
+    tier: DramTier = make_tier(4096 * 4 + 32 * (RANK_BYTES + 128), RANK_BYTES)
+    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(cluster_cfg, tier), cluster_timeout_s=5.0)
+    wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
+    yield store
+    store.close()
+
+
+def fetch(store: TieredStore, keys: list[bytes]) -> int:
+    """Probe and promote as the scheduler does; the number of keys READY afterwards."""
+    p = store.probe(keys)
+    store.promote(keys[p.ready : p.total])
+    store.wait_idle(30)
+    return store.probe(keys).ready
+
+
+def test_master_is_supervised_and_restarted_after_kill(master: MasterSupervisor, cluster_cfg: ClusterConfig) -> None:
+    pid = master.pid
+    assert pid is not None and port_open(cluster_cfg.master_host, cluster_cfg.master_port)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: master.restarts == 1 and master.pid not in (None, pid), what="the master's restart")
+    assert port_open(cluster_cfg.master_host, cluster_cfg.master_port)
+    master.stop()
+    assert not master.running
+    wait_for(lambda: not port_open(cluster_cfg.master_host, cluster_cfg.master_port), what="the port to close")
+
+
+def test_master_refuses_a_port_in_use(master: MasterSupervisor, cluster_cfg: ClusterConfig) -> None:
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kvtier.cluster.master_port"):
+        MasterSupervisor(cluster_cfg).start()
+
+
+def test_block_from_another_node_is_fetched_verified_and_counted(node: TieredStore, peer: Peer) -> None:
+    got = peer.do(op="save", seed=1, n=6)
+    assert got["counters"]["cluster_published"] == 6
+    keys = [bytes.fromhex(k) for k in got["keys"]]
+    p = node.probe(keys)
+    assert (p.ready, p.total, p.remote) == (0, 6, 6)
+    assert fetch(node, keys) == 6
+    tier = node.tier
+    for i, key in enumerate(keys):
+        slot = node.pin([key], 0)[0]
+        assert slot is not None and tier.verify(slot, key, 0)
+        assert np.array_equal(tier.rank_view(slot, 0).numpy(), block_bytes(1, i, 0, RANK_BYTES))
+    node.complete_step(0)
+    c = node.counters()
+    assert (c["cluster_fetched"], c["cluster_gone"], c["cluster_corrupt"]) == (6, 0, 0)
+    assert c["cluster_hits"] == 12  # two lookups found all six: the test's and fetch()'s first
+    # Fetched blocks are not published back (the cluster has them).
+    assert c["cluster_published"] == 0
+
+
+def test_save_is_published_and_found_by_the_other_node(node: TieredStore, peer: Peer) -> None:
+    keys = [block_key(7, i) for i in range(3)]
+    slots = node.prepare_save(keys, 0)
+    for i, (key, slot) in enumerate(zip(keys, slots)):
+        view = node.tier.rank_view(slot, 0)
+        view.numpy()[:] = block_bytes(7, i, 0, RANK_BYTES)
+        from kvtier.tier.dram import checksum
+
+        node.tier.seal(slot, key, 0, checksum(view, key))
+    node.complete_step(0)
+    node.wait_idle(30)
+    assert node.counters()["cluster_published"] == 3
+    assert node.cluster.remote.exists(keys) == [True] * 3
+
+
+def test_flipped_byte_in_the_cluster_is_a_miss_counted(node: TieredStore, peer: Peer) -> None:
+    keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=2, n=3)["keys"]]
+    assert peer.do(op="flip", key=keys[1].hex())["put"] == 0
+    assert fetch(node, keys) == 1  # the prefix stops at the bad block
+    c = node.counters()
+    assert (c["cluster_fetched"], c["cluster_corrupt"]) == (2, 1)
+    assert not node.contains(keys[1])
+
+
+def test_foreign_value_under_a_key_is_a_miss(node: TieredStore, peer: Peer) -> None:
+    keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=3, n=2)["keys"]]
+    assert peer.do(op="foreign", key=keys[1].hex(), **{"as": keys[0].hex()})["put"] == 0
+    assert fetch(node, keys) == 0
+    assert node.counters()["cluster_corrupt"] == 1
+
+
+def test_value_gone_between_lookup_and_fetch_is_counted(node: TieredStore, peer: Peer) -> None:
+    keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=4, n=2)["keys"]]
+    p = node.probe(keys)
+    assert p.remote == 2
+    peer.do(op="remove", key=keys[0].hex())
+    node.promote(keys[p.ready : p.total])
+    node.wait_idle(30)
+    assert node.probe(keys).ready == 0
+    c = node.counters()
+    assert c["cluster_gone"] == 1 and c["cluster_fetched"] == 1
+
+
+def test_master_down_is_a_fast_miss_and_service_resumes(node: TieredStore, peer: Peer, master: MasterSupervisor,
+                                                       cluster_cfg: ClusterConfig, tmp_path: Path) -> None:
+    keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=5, n=2)["keys"]]
+    master.stop()
+    wait_for(lambda: not node.cluster.up, what="the node to see the master gone")
+    p = node.probe(keys)
+    assert (p.total, p.remote) == (0, 0)
+    assert node.counters()["cluster_down"] == 1
+    # A promote planned from an earlier lookup while it goes down: a miss, nothing held.
+    node.promote(keys)
+    node.wait_idle(30)
+    assert all(not node.contains(k) for k in keys)
+    again = MasterSupervisor(cluster_cfg, log_path=tmp_path / "master2.log")
+    again.start()
+    try:
+        wait_for(lambda: node.cluster.up, what="the node to see the master back")
+        # A restarted master starts empty, and Mooncake's clients re-join it
+        # on their own schedule (a ping every few seconds, a reconnection
+        # after three missed): what the peer saves once it has is found.
+        seeds = iter(range(100, 1000))
+
+        def resumed() -> bool:
+            fresh = [bytes.fromhex(k) for k in peer.do(op="save", seed=next(seeds), n=2)["keys"]]
+            return fetch(node, fresh) == 2
+
+        wait_for(resumed, timeout_s=120, what="hits after the restart")
+        assert node.counters()["cluster_fetched"] >= 2
+    finally:
+        again.stop()
+
+
+def test_stalled_lookup_times_out_and_marks_the_cluster_down(make_tier, tmp_path: Path) -> None:
+    """A master that accepts connections but never answers (a stalled peer):
+    the lookup answers 0 within the timeout and the store stays usable."""
+    import socket
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    cfg = ClusterConfig(master_port=lsock.getsockname()[1], segment_bytes=0)
+    tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)
+    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(cfg, tier), cluster_timeout_s=0.5)
+    try:
+        assert store.probe([block_key(9, 0)]).total == 0
+        assert not store.cluster.up
+        slots = store.prepare_save([block_key(9, 1)], 0)
+        assert slots[0] is not None
+        store.complete_step(0)
+        assert store.probe([block_key(9, 1)]).ready == 1
+    finally:
+        lsock.close()
+        store.close()
+
+
+def test_fetch_outcomes_of_the_client(make_tier, master: MasterSupervisor, cluster_cfg: ClusterConfig,
+                                      peer: Peer) -> None:
+    """MooncakeTier alone: a missing key is GONE, not an error; nothing is sealed for it."""
+    tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)
+    client = MooncakeTier(cluster_cfg, tier)
+    wait_for(lambda: _connects(client), what="the client to connect")
+    try:
+        keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=8, n=1)["keys"]]
+        out = client.fetch([keys[0], block_key(8, 99)], [0, 1])
+        assert out == [Fetched.OK, Fetched.GONE]
+        assert tier.is_sealed(0, keys[0]) and not tier.is_sealed(1, block_key(8, 99))
+        assert client.exists([keys[0], block_key(8, 99)]) == [True, False]
+    finally:
+        client.close()
+
+
+def _connects(client: MooncakeTier) -> bool:
+    from kvtier.errors import ClusterError
+
+    try:
+        client.connect()
+        return True
+    except ClusterError:
+        return False
+
+
+def test_store_without_cluster_has_no_cluster_counters(make_tier) -> None:
+    tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)
+    store = TieredStore(tier, 99, 90)
+    try:
+        assert store.cluster is None
+        assert not any(k.startswith("cluster_") for k in store.counters())
+        assert store.probe([block_key(1, 0)]).remote == 0
+        assert store.promote([block_key(1, 0)]) == 0
+        assert EntryState.READY  # the enum is unchanged by the cluster tier
+    finally:
+        store.close()
