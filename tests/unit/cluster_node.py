@@ -50,6 +50,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--master", required=True)
     p.add_argument("--shm", required=True)
+    p.add_argument("--metrics-port", type=int, required=True)
     p.add_argument("--hostname", default="127.0.0.1")
     p.add_argument("--rank-bytes", type=int, default=64 << 10)
     p.add_argument("--ranks", type=int, default=1)
@@ -57,7 +58,8 @@ def main() -> int:
     p.add_argument("--segment", type=int, default=64 << 20)
     args = p.parse_args()
     host, _, port = args.master.rpartition(":")
-    cfg = ClusterConfig(master_host=host, master_port=int(port), local_hostname=args.hostname,
+    cfg = ClusterConfig(master_host=host, master_port=int(port), master_metrics_port=args.metrics_port,
+                        local_hostname=args.hostname,
                         segment_bytes=args.segment)
     stride = -(-args.rank_bytes // 4096) * 4096 * args.ranks
     tier = DramTier.create(args.shm, 4096 * 4 + args.slots * (stride + 128), args.rank_bytes, args.ranks)

@@ -63,6 +63,7 @@ class Peer:
     def __init__(self, cfg: ClusterConfig, tmp_path: Path) -> None:
         self.shm = f"/dev/shm/kvtier-test-peer-{uuid.uuid4().hex}"
         self.proc = subprocess.Popen([sys.executable, str(NODE), "--master", cfg.master_address, "--shm", self.shm,
+                                      "--metrics-port", str(cfg.master_metrics_port),
                                       "--rank-bytes", str(RANK_BYTES)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(tmp_path / "peer.log", "ab"), text=True)
         assert self.read() == {"ready": True}
@@ -230,13 +231,15 @@ def test_master_down_is_a_fast_miss_and_service_resumes(node: TieredStore, peer:
 
 def test_stalled_lookup_times_out_and_marks_the_cluster_down(make_tier, tmp_path: Path) -> None:
     """A master that accepts connections but never answers (a stalled peer):
-    the lookup answers 0 within the timeout and the store stays usable."""
+    lookups answer 0 at once, the store stays usable and the process is not
+    frozen (Mooncake's setup would hold the GIL while it waits: the client
+    asks the master's HTTP side first)."""
     import socket
 
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(8)
-    cfg = ClusterConfig(master_port=lsock.getsockname()[1], segment_bytes=0)
+    cfg = ClusterConfig(master_port=lsock.getsockname()[1], master_metrics_port=free_port(), segment_bytes=0)
     tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)
     store = TieredStore(tier, 99, 90, cluster=MooncakeTier(cfg, tier), cluster_timeout_s=0.5)
     try:

@@ -65,6 +65,19 @@ class Fetched(enum.Enum):
     ERROR = "error"  # the transfer failed (master or peer unreachable, timeout)
 
 
+def master_ready(cfg: ClusterConfig, timeout_s: float = 1.0) -> bool:
+    """True when the master's metrics endpoint reports it serving (``service_ready=true``)."""
+    import urllib.request
+
+    host = f"[{cfg.master_host}]" if ":" in cfg.master_host else cfg.master_host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{cfg.master_metrics_port}/metrics/summary",
+                                    timeout=timeout_s) as r:
+            return b"service_ready=true" in r.read(1 << 16)
+    except OSError:
+        return False
+
+
 class MooncakeTier:
     """One node's client of the cluster: its arena, registered, and the calls on it."""
 
@@ -98,6 +111,13 @@ class MooncakeTier:
         except ImportError as err:  # pragma: no cover - the extra's absence is refused at config time
             raise ClusterError(f"the cluster tier needs the kvtier[cluster] extra: {err}") from None
         cfg = self.cfg
+        # Mooncake's setup() holds the GIL while it waits on the master: a
+        # master that accepts connections and never answers froze the whole
+        # meta service (test_cluster.py::test_stalled_lookup...). Its HTTP
+        # side must say it serves first, within a bounded wait.
+        if not master_ready(cfg):
+            raise ClusterError(f"the master at {cfg.master_host}:{cfg.master_metrics_port} (metrics) does not say "
+                               "it serves")
         store = MooncakeDistributedStore()
         # local_buffer_size 0: every transfer is zero copy from or into the
         # registered arena, so Mooncake needs no buffer of its own.
