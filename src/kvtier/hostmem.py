@@ -1,8 +1,11 @@
 """Host memory facts the DRAM tier depends on: free memory, the container's
-memory limit, hugetlbfs mounts, free huge pages.
+memory limit, hugetlbfs mounts, free huge pages; and pinning host memory
+for device copies.
 
-Read from /proc and /sys at start-up (configuration checks, arena
-creation); nothing here is on a serving path.
+Facts are read from /proc and /sys at start-up (configuration checks,
+arena creation). :func:`pin_host_memory` runs in a worker process whose KV
+lives on a CUDA device, once per arena it maps; nothing here is on a
+serving path.
 """
 
 from __future__ import annotations
@@ -185,3 +188,64 @@ def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
             break
         here = os.path.dirname(here)
     return best
+
+
+# --- page-locked (pinned) host memory for device copies ------------------------
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+
+
+class PinnedRegion:
+    """Host memory registered as page-locked with the CUDA driver.
+
+    Made by :func:`pin_host_memory` in a worker process, for the DRAM arena
+    that device copies read and write: DMA from pinned memory runs
+    asynchronously on a stream; from pageable memory the driver stages it
+    through a bounce buffer and the copy blocks the caller. ``release``
+    unregisters it; it must run before the memory is unmapped. Not
+    thread-safe: one worker thread owns it.
+    """
+
+    def __init__(self, cudart, ptr: int, size_bytes: int) -> None:
+        self._cudart = cudart
+        self.ptr = ptr
+        self.size_bytes = size_bytes
+
+    def release(self) -> None:
+        if self._cudart is not None:
+            self._cudart.cudaHostUnregister(self.ptr)
+            self._cudart = None
+
+
+def pin_host_memory(ptr: int, size_bytes: int, cudart=None) -> tuple[PinnedRegion | None, str]:
+    """Register ``size_bytes`` at ``ptr`` as page-locked memory: (region, "") or (None, why).
+
+    ``cudart`` is torch's CUDA runtime binding (``torch.cuda.cudart()``),
+    given by tests that stand in for the driver. Registration fails on a
+    low ``ulimit -l`` or a container's locked-memory limit, or without a
+    CUDA runtime; the caller then copies through pageable memory (correct,
+    slower, and copies block the caller) and logs the reason once.
+    """
+    if cudart is None:
+        try:
+            import torch
+
+            cudart = torch.cuda.cudart()
+        except Exception as err:  # noqa: BLE001 - no CUDA runtime: nothing to pin for
+            return None, f"no CUDA runtime ({err})"
+    try:
+        code = cudart.cudaHostRegister(ptr, size_bytes, _HOST_REGISTER_PORTABLE)
+    except Exception as err:  # noqa: BLE001 - a binding that raises instead of returning a code
+        return None, f"cudaHostRegister raised {err}"
+    code = int(getattr(code, "value", code))
+    if code != 0:
+        return None, (f"cudaHostRegister of {size_bytes} bytes returned error {code} "
+                      f"(locked-memory limit: ulimit -l {_memlock_limit()})")
+    return PinnedRegion(cudart, ptr, size_bytes), ""
+
+
+def _memlock_limit() -> str:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024} KiB"

@@ -352,3 +352,20 @@ def test_an_arena_the_worker_does_not_fit_stops_the_step_instead_of_becoming_mis
     with pytest.raises(ConfigError) as err:
         conn.wait_for_save()
     assert err.value.key == "dram arena"
+
+
+def test_kv_tensors_kvtier_cannot_read_leave_the_engine_serving(worker_at_pp_rank_1) -> None:
+    # Before: register_kv_caches raised "has no dimension of 64 blocks" and
+    # vLLM's start-up failed; now the worker stays inert and says so once.
+    import torch
+
+    conn = worker_at_pp_rank_1()
+    conn.register_kv_caches({f"model.layers.{i}.attn": torch.zeros(96, HEADS, BLOCK, 2 * HEAD_SIZE)
+                             for i in range(8)})
+    assert conn._worker.layout is None and conn._worker.inert_reason
+    conn.bind_connector_metadata(StepPlan(step=0, arena="/nonexistent", loads=[], saves=[]))
+    conn.start_load_kv(None)
+    conn.wait_for_layer_load("model.layers.0.attn")
+    conn.save_kv_layer("model.layers.0.attn", None, None)
+    conn.wait_for_save()
+    assert conn.get_finished(set()) == (None, None)

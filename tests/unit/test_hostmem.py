@@ -94,3 +94,57 @@ def test_no_cgroup_file_system_is_none(tmp_path: Path) -> None:
     write(tmp_path / "proc-cgroup", "0::/\n")
     assert cgroup_memory_limit(str(tmp_path / "proc-cgroup"), str(tmp_path / "mountinfo")) is None
     assert cgroup_memory_limit(str(tmp_path / "missing"), str(tmp_path / "mountinfo")) is None
+
+
+# --- pinning the arena for device copies ---------------------------------------
+
+
+class _Driver:
+    """Stands in for torch.cuda.cudart() at the driver boundary: answers
+    cudaHostRegister with ``code`` and records what was (un)registered."""
+
+    def __init__(self, code: int = 0) -> None:
+        self.code = code
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.registered.append((ptr, size, flags))
+        return self.code
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pinning_registers_the_region_and_releases_it_once() -> None:
+    from kvtier.hostmem import pin_host_memory
+
+    driver = _Driver()
+    region, why = pin_host_memory(0x7F0000000000, 1 << 20, cudart=driver)
+    assert region is not None and why == ""
+    assert driver.registered == [(0x7F0000000000, 1 << 20, 1)]  # portable: every context sees it pinned
+    region.release()
+    region.release()
+    assert driver.unregistered == [0x7F0000000000]
+
+
+def test_a_refused_registration_says_why_and_pins_nothing() -> None:
+    from kvtier.hostmem import pin_host_memory
+
+    region, why = pin_host_memory(0x7F0000000000, 1 << 30, cudart=_Driver(code=2))  # cudaErrorMemoryAllocation
+    assert region is None
+    assert "error 2" in why and "ulimit -l" in why
+
+
+def test_without_a_cuda_runtime_nothing_is_pinned() -> None:
+    # This machine's torch has no CUDA: the worker keeps pageable memory.
+    import pytest
+    import torch
+
+    from kvtier.hostmem import pin_host_memory
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA runtime is present")
+    region, why = pin_host_memory(0x7F0000000000, 4096)
+    assert region is None and why.startswith("no CUDA runtime")

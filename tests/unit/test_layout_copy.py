@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier.connector.copy import gather_blocks, scatter_blocks, slot_matrix
-from kvtier.layout import KvLayout, LayoutKind, block_major, detect_kind, kv_bytes_per_token
+from kvtier.layout import KvLayout, LayoutKind, block_major, block_run, detect_kind, kv_bytes_per_token
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
 
@@ -257,3 +257,77 @@ def test_sealed_gather_survives_a_reattach(make_tier, shm_path: str, capacity_fo
             assert torch.equal(bits(dst[0]), bits(src[4]))
     finally:
         reader.close()
+
+
+# --- blocks split into kernel blocks (vLLM's prepare_kernel_block_sizes) -----------
+
+
+def _vllm_views(raw: torch.Tensor, num_blocks: int, layers: int, kernel_block_tokens: int | None,
+                block_tokens: int = 16) -> dict[str, torch.Tensor]:
+    """vLLM's own per-layer views of one buffer, as its GPU runner makes them
+    (allocate_kv_cache -> create_kv_cache_views), optionally split into kernel blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(block_size=block_tokens, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=page * num_blocks * layers, layers=[f"l{i}" for i in range(layers)],
+                           layer_stride=page * num_blocks, block_stride=page)
+    views = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout.LBNHC, tensor,
+                                  kernel_block_size=kernel_block_tokens)
+    return dict(zip(tensor.layers, views))
+
+
+@pytest.mark.parametrize("kernel_tokens", [8, 4])
+def test_blocks_split_into_kernel_blocks_copy_whole_blocks(make_tier, capacity_for, kernel_tokens: int) -> None:
+    # Before: from_kv_caches raised "has no dimension of 6 blocks" and the
+    # worker failed vLLM's start-up.
+    num_blocks, layers = 6, 3
+    g = torch.Generator().manual_seed(7)
+    raw = torch.randint(-128, 127, (1024 * num_blocks * layers,), dtype=torch.int8, generator=g)
+    whole = _vllm_views(raw, num_blocks, layers, None)
+    split = _vllm_views(raw, num_blocks, layers, kernel_tokens)
+    assert split["l0"].shape[0] == num_blocks * (16 // kernel_tokens)
+
+    layout = KvLayout.from_kv_caches(split, num_blocks, block_tokens=16)
+    assert layout.kernel_blocks == 16 // kernel_tokens and layout.dense_blocks
+    assert layout.block_bytes == KvLayout.from_kv_caches(whole, num_blocks, block_tokens=16).block_bytes
+    tier = make_tier(capacity_for(4, layout.block_bytes), layout.block_bytes)
+    slots = rank_slots(tier, 0, layout)
+    bm = [layout.block_major(split[n]) for n in layout.layer_names]
+    gather_blocks(bm, layout, [4, 1], slots, [0, 1])
+    for i, n in enumerate(layout.layer_names):
+        # A slot holds vLLM's whole block 4 (all its kernel blocks) as it
+        # sits in memory: the same bytes as a slot saved by an unsplit view.
+        for slot, block in ((0, 4), (1, 1)):
+            assert torch.equal(slots[slot, i, : layout.layer_block_bytes],
+                               block_run(block_major(whole[n], LayoutKind.CPU), block).view(torch.uint8))
+    before = raw.clone()
+    scatter_blocks(bm, layout, [5], slots, [0])  # block 4's bytes into block 5
+    for n in layout.layer_names:
+        assert torch.equal(bits(whole[n][5]), bits(whole[n][4]))
+        for b in range(5):
+            assert torch.equal(bits(whole[n][b]), bits(_vllm_views(before, num_blocks, layers, None)[n][b]))
+
+
+def test_a_shape_that_is_no_whole_split_is_refused() -> None:
+    # 12 rows of 8 tokens for 6 blocks of 32 tokens: not a split of them.
+    with pytest.raises(ValueError, match="kernel blocks"):
+        KvLayout.from_kv_caches({"l0": torch.zeros(12, 2, 8, 16)}, 6, block_tokens=32)
+    with pytest.raises(ValueError):
+        KvLayout.from_kv_caches({"l0": torch.zeros(12, 2, 8, 16)}, 6)  # tokens per block unknown: no guess
+
+
+def test_layers_with_other_strides_are_refused() -> None:
+    # Before: only shapes and dtypes were compared, and layer 0's contiguity
+    # chose the memmove path for every layer.
+    base = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_TOKENS, 2 * HEAD_SIZE)
+    strided = torch.zeros(NUM_BLOCKS, BLOCK_TOKENS, HEADS, 2 * HEAD_SIZE).transpose(1, 2)
+    assert strided.shape == base.shape and not strided[0].is_contiguous()
+    with pytest.raises(ValueError, match="strides"):
+        KvLayout.from_kv_caches({"a": base, "b": strided}, NUM_BLOCKS)
+    # A block that is one run of memory in another dimension order is dense;
+    # one with gaps is not.
+    assert KvLayout.from_kv_caches({"a": strided}, NUM_BLOCKS).dense_blocks
+    gaps = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_TOKENS, 4 * HEAD_SIZE)[..., : 2 * HEAD_SIZE]
+    assert not KvLayout.from_kv_caches({"a": gaps}, NUM_BLOCKS).dense_blocks

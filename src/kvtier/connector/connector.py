@@ -308,6 +308,13 @@ def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: 
                         cache_dtype=str(vllm_config.cache_config.cache_dtype), model_dtype=str(mc.dtype))
 
 
+def device_copies_are_async() -> bool:
+    """Whether workers copy on a device stream (CUDA) and settle saves after the step (worker.py)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type == "cuda"
+
+
 def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                          cfg: KvtierConfig) -> SchedulerSide:
     spec, layers = kv_cache_spec(kv_cache_config)
@@ -329,7 +336,7 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
         log.info("kvtier: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths), ssd.num_slots,
                  store.counters()["ssd_slots_used"])
     return SchedulerSide(EmbeddedPlacement(store), ns, spec.block_size, ranks,
-                         promote_timeout_s=cfg.promote_timeout_s)
+                         promote_timeout_s=cfg.promote_timeout_s, async_saves=device_copies_are_async())
 
 
 def meta_service_url(cfg: KvtierConfig) -> tuple[str, str]:
@@ -379,7 +386,8 @@ def build_pool_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheC
     else:
         log.info("kvtier: on the node pool at %s (session %d, arena %s, %d slots)", url, placement.session,
                  placement.arena_path, placement.num_slots)
-    return SchedulerSide(placement, ns, spec.block_size, ranks, promote_timeout_s=cfg.promote_timeout_s)
+    return SchedulerSide(placement, ns, spec.block_size, ranks, promote_timeout_s=cfg.promote_timeout_s,
+                         async_saves=device_copies_are_async())
 
 
 def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> WorkerSide:
@@ -388,7 +396,10 @@ def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     tp = vllm_config.parallel_config.tensor_parallel_size
     pp_rank = get_pp_group().rank_in_group
     rank = pp_rank * tp + get_tp_group().rank_in_group
-    return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums)
+    groups = kv_cache_config.kv_cache_groups
+    # vLLM's tokens per block: lets the worker recognise blocks split into kernel blocks.
+    block_tokens = groups[0].kv_cache_spec.block_size if len(groups) == 1 else None
+    return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums, block_tokens=block_tokens)
 
 
 def worker_rank_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int) -> int | None:
@@ -545,8 +556,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        try:
+            self._worker.register_kv_caches(kv_caches)
+        except Exception:  # noqa: BLE001 - the engine serves without the cache rather than not at all
+            log.exception("kvtier: reading vLLM's KV tensors failed; this worker stays inert")
+            self._worker.layout = None
         layout = self._worker.layout
+        if layout is None:
+            return  # inert (said once by the worker): loads fail over to recompute, nothing is saved
         if self._worker_rank_bytes is not None and layout.block_bytes > self._worker_rank_bytes:
             # Checked here, at start-up, rather than when the first plan
             # names the arena: a rank that does not fit would otherwise find
@@ -572,10 +589,25 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.fail_loads(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        # CPU: loads completed in start_load_kv. CUDA: vLLM's stream waits
+        # for this layer's copies (the host does not).
+        assert self._worker is not None
+        try:
+            self._worker.wait_for_layer_load(layer_name)
+        except Exception:  # noqa: BLE001 - an error here is a copy that failed: never a crash
+            log.exception("kvtier: waiting for the loads of %s failed; the step's loads are recomputed",
+                          layer_name)
+            self._worker.fail_loads(self._get_connector_metadata())
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # saves happen for all layers at once in wait_for_save
+        # CPU: saves happen for all layers at once in wait_for_save. CUDA:
+        # this layer's copies are queued now, behind the attention that wrote it.
+        assert self._worker is not None
+        plan = self._get_connector_metadata()
+        try:
+            self._worker.save_kv_layer(layer_name, plan)
+        except Exception:  # noqa: BLE001 - the rest of the layers are queued in wait_for_save, or fail there
+            log.exception("kvtier: queueing the saves of %s failed", layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
@@ -593,6 +625,19 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.get_block_ids_with_load_errors()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Only requests the scheduler delayed (device copies) are reported;
+        # vLLM frees their blocks then.
+        if self._worker is None:
+            return None, None
+        try:
+            return self._worker.get_finished(), None
+        except Exception:  # noqa: BLE001
+            # Freed now rather than never: vLLM's stream already waits for
+            # every queued copy before it can write those blocks again.
+            log.exception("kvtier: checking finished saves failed; delayed frees go ahead")
+            return self._worker.release_delayed() or None, None
 
     def build_connector_worker_meta(self) -> Any:
         return self._worker.build_report() if self._worker is not None else None

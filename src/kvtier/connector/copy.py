@@ -9,12 +9,22 @@ CPU and CUDA. Two paths, chosen by the KV tensors' device:
   vectorised path, whose advanced indexing goes through a temporary and a
   single-threaded index_put. Splitting the blocks over two threads was
   slower still (the cores are shared with vLLM's own threads).
-* CUDA: vectorised: one gather on the host side (the slots), one transfer,
-  one index_put on the device, since thousands of small host-to-device
-  copies cost more than the extra pass.
+* accelerator: one ``copy_(non_blocking=True)`` per block and layer,
+  straight between the device block and the slot, on a stream of the
+  worker's own (:class:`StreamCopies`). With the arena registered as
+  page-locked memory (hostmem.pin_host_memory) each is an asynchronous DMA
+  that needs no staging buffer and no host-side memcpy; an arena that could
+  not be pinned gives the same bytes through the driver's bounce buffer
+  (slower, and the copies block the caller). The vectorised alternative
+  (``indexed=True``: gather, one transfer, index_put) went through
+  pageable temporaries, so ``non_blocking`` did nothing and the save path
+  waited for the forward pass; it is kept for the CPU comparison only.
 
 A slot region is seen as ``(num_slots, num_layers, layer_stride)`` bytes;
-layer ``i`` of a block sits at ``[i, :layer_block_bytes]``.
+layer ``i`` of a block sits at ``[i, :layer_block_bytes]``. The copy
+functions take block-major layer views (``KvLayout.block_major``) and the
+index of the first of them among the layout's layers, so one layer can be
+copied at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import torch
 
 _MEMMOVE = os.environ.get("KVTIER_COPY", "memmove") == "memmove"
 
-from kvtier.layout import KvLayout
+from kvtier.layout import KvLayout, block_run
 
 
 def slot_matrix(rank_region: torch.Tensor, layout: KvLayout) -> torch.Tensor:
@@ -40,75 +50,154 @@ def slot_matrix(rank_region: torch.Tensor, layout: KvLayout) -> torch.Tensor:
 
 
 def gather_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
-                  slots: torch.Tensor, slot_ids: Sequence[int], indexed: bool | None = None) -> None:
-    """Copy blocks ``block_ids`` of every layer into ``slots[slot_ids]``.
+                  slots: torch.Tensor, slot_ids: Sequence[int], indexed: bool = False,
+                  first_layer: int = 0) -> None:
+    """Copy blocks ``block_ids`` of ``layers`` into ``slots[slot_ids]``.
 
-    ``layers`` are block-major views (dimension 0 indexes blocks). On CPU
-    each block is a memmove (or a ``copy_`` for non-contiguous blocks); on
-    an accelerator, or with ``indexed=True``, one gather and one transfer
-    per layer. Both write the same bytes.
+    ``layers`` are block-major views (dimension 0 indexes blocks), layers
+    ``first_layer ..`` of the layout. On CPU each block is a memmove (or a
+    ``copy_`` when a block is not one run of bytes); on an accelerator a
+    ``copy_(non_blocking=True)`` per block on the current stream; with
+    ``indexed=True`` (CPU) one gather per layer. All write the same bytes.
     """
     if not block_ids:
         return
-    dev = layers[0].device
     nbytes = layout.layer_block_bytes
-    if indexed is None:
-        indexed = dev.type != "cpu"
-    if not indexed:
-        if _MEMMOVE and layers[0][0].is_contiguous():
-            _memmove_blocks(layers, nbytes, block_ids, slots, slot_ids, to_slots=True)
-            return
-        for i, bm in enumerate(layers):
-            for b, s in zip(block_ids, slot_ids):
-                slots[s, i, :nbytes].view(layout.dtype).view(bm.shape[1:]).copy_(bm[b])
+    if not indexed or not layers[0][0].is_contiguous():  # the indexed path copies in view order
+        if _MEMMOVE and layout.dense_blocks and layers[0].device.type == "cpu":
+            _memmove_blocks(layers, nbytes, block_ids, slots, slot_ids, to_slots=True, first_layer=first_layer)
+        else:
+            _copy_blocks(layers, layout, block_ids, slots, slot_ids, to_slots=True, first_layer=first_layer)
         return
+    dev = layers[0].device
     b_idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
     s_idx = torch.tensor(slot_ids, dtype=torch.long)
     for i, bm in enumerate(layers):
         src = bm.index_select(0, b_idx).reshape(len(block_ids), -1).view(torch.uint8)
-        if src.device.type != "cpu":
-            src = src.cpu()
-        slots[s_idx, i, :nbytes] = src
+        slots[s_idx, first_layer + i, :nbytes] = src.to("cpu")
 
 
 def scatter_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
-                   slots: torch.Tensor, slot_ids: Sequence[int], indexed: bool | None = None) -> None:
-    """Copy ``slots[slot_ids]`` into blocks ``block_ids`` of every layer (paths as in :func:`gather_blocks`)."""
+                   slots: torch.Tensor, slot_ids: Sequence[int], indexed: bool = False,
+                   first_layer: int = 0) -> None:
+    """Copy ``slots[slot_ids]`` into blocks ``block_ids`` of ``layers`` (paths as in :func:`gather_blocks`)."""
     if not block_ids:
         return
-    dev = layers[0].device
     nbytes = layout.layer_block_bytes
-    if indexed is None:
-        indexed = dev.type != "cpu"
-    if not indexed:
-        if _MEMMOVE and layers[0][0].is_contiguous():
-            _memmove_blocks(layers, nbytes, block_ids, slots, slot_ids, to_slots=False)
-            return
-        for i, bm in enumerate(layers):
-            for b, s in zip(block_ids, slot_ids):
-                bm[b].copy_(slots[s, i, :nbytes].view(layout.dtype).view(bm.shape[1:]))
+    if not indexed or not layers[0][0].is_contiguous():
+        if _MEMMOVE and layout.dense_blocks and layers[0].device.type == "cpu":
+            _memmove_blocks(layers, nbytes, block_ids, slots, slot_ids, to_slots=False, first_layer=first_layer)
+        else:
+            _copy_blocks(layers, layout, block_ids, slots, slot_ids, to_slots=False, first_layer=first_layer)
         return
+    dev = layers[0].device
     b_idx = torch.tensor(block_ids, dtype=torch.long, device=dev)
     s_idx = torch.tensor(slot_ids, dtype=torch.long)
     n = len(block_ids)
     for i, bm in enumerate(layers):
-        raw = slots[s_idx, i, :nbytes]  # (n, nbytes) gathered copy
-        src = raw.view(layout.dtype).view(n, *bm.shape[1:])
-        if dev.type != "cpu":
-            src = src.to(dev, non_blocking=True)
-        bm[b_idx] = src
+        raw = slots[s_idx, first_layer + i, :nbytes]  # (n, nbytes) gathered copy
+        bm[b_idx] = raw.view(layout.dtype).view(n, *bm.shape[1:]).to(dev)
+
+
+def _copy_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
+                 slots: torch.Tensor, slot_ids: Sequence[int], to_slots: bool, first_layer: int) -> None:
+    """One ``copy_`` per block and layer; asynchronous between a device and pinned slots.
+
+    A dense block is copied as its run of memory (the bytes memmove would
+    copy, and one DMA with no temporary); another in its view's order.
+    """
+    nbytes = layout.layer_block_bytes
+    non_blocking = layers[0].device.type != "cpu"
+    for i, bm in enumerate(layers):
+        shape = (-1,) if layout.dense_blocks else bm.shape[1:]
+        for b, s in zip(block_ids, slot_ids):
+            slot = slots[s, first_layer + i, :nbytes].view(layout.dtype).view(shape)
+            block = block_run(bm, b) if layout.dense_blocks else bm[b]
+            if to_slots:
+                slot.copy_(block, non_blocking=non_blocking)
+            else:
+                block.copy_(slot, non_blocking=non_blocking)
 
 
 def _memmove_blocks(layers: Sequence[torch.Tensor], nbytes: int, block_ids: Sequence[int],
-                    slots: torch.Tensor, slot_ids: Sequence[int], to_slots: bool) -> None:
+                    slots: torch.Tensor, slot_ids: Sequence[int], to_slots: bool, first_layer: int) -> None:
     slot_base = slots.data_ptr()
     s_stride, l_stride = slots.stride(0), slots.stride(1)
     for i, bm in enumerate(layers):
         base, stride = bm.data_ptr(), bm.stride(0) * bm.element_size()
         for b, s in zip(block_ids, slot_ids):
             kv = base + b * stride
-            slot = slot_base + s * s_stride + i * l_stride
+            slot = slot_base + s * s_stride + (first_layer + i) * l_stride
             if to_slots:
                 ctypes.memmove(slot, kv, nbytes)
             else:
                 ctypes.memmove(kv, slot, nbytes)
+
+
+class StreamCopies:
+    """Block copies between a CUDA device's KV and the arena, on a stream of their own.
+
+    Runs in a worker process, on vLLM's thread. Per engine step:
+
+    1. :meth:`begin_step` (before the forward pass): vLLM's stream waits
+       for this stream's earlier work, so no kernel of the new step writes
+       a block that a save of an earlier step is still reading (vLLM may
+       have freed and reallocated it: preemption frees without asking);
+    2. :meth:`load` queues every layer's host-to-device copies and records
+       one event per layer; :meth:`wait_layer` (vLLM's
+       ``wait_for_layer_load``) makes vLLM's stream wait for that layer's
+       event only, so the first layers compute while later ones load;
+    3. :meth:`save_layer` (vLLM's ``save_kv_layer``, right after a layer's
+       attention wrote its KV) queues that layer's device-to-host copies
+       behind the work vLLM has queued so far;
+    4. :meth:`end_saves` records an event; the caller seals the slots once
+       ``event.query()`` is true, without blocking vLLM's thread.
+
+    Nothing here synchronises the host with the device except
+    :meth:`close`.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._layer_ready: dict[int, torch.cuda.Event] = {}
+
+    def begin_step(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def load(self, layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
+             slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
+        # The blocks were allocated for this step; work vLLM queued before
+        # (earlier steps) may still use them.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for i, bm in enumerate(layers):
+                scatter_blocks([bm], layout, block_ids, slots, slot_ids, first_layer=i)
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+                self._layer_ready[i] = ready
+
+    def wait_layer(self, index: int) -> None:
+        """vLLM's stream waits for layer ``index``'s loads (no host wait)."""
+        ready = self._layer_ready.pop(index, None)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+
+    def wait_loads(self) -> None:
+        """vLLM's stream waits for every load not waited for layer by layer."""
+        for index in list(self._layer_ready):
+            self.wait_layer(index)
+
+    def save_layer(self, index: int, bm: torch.Tensor, layout: KvLayout, block_ids: Sequence[int],
+                   slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            gather_blocks([bm], layout, block_ids, slots, slot_ids, first_layer=index)
+
+    def end_saves(self) -> torch.cuda.Event:
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+    def close(self) -> None:
+        self.stream.synchronize()

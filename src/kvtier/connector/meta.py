@@ -25,13 +25,17 @@ class StepPlan(KVConnectorMetadata):
     """What the workers do in engine step ``step``.
 
     ``loads`` run before the forward pass (sync loads), ``saves`` after it.
-    ``arena`` is the path of the DRAM arena every worker maps.
+    ``arena`` is the path of the DRAM arena every worker maps. ``delayed``:
+    requests that finished while saves of theirs were still being copied
+    (device copies only), with the last step that saved for them; vLLM
+    frees their blocks once the workers report them in ``get_finished``.
     """
 
     step: int
     arena: str
     loads: list[BlockCopy] = field(default_factory=list)
     saves: list[BlockCopy] = field(default_factory=list)
+    delayed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

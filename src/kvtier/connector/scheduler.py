@@ -57,14 +57,21 @@ class _ReqState:
     p2p_keys: set[bytes] = field(default_factory=set)  # keys this request had fetched from the cluster tier
     load_keys: list[bytes] = field(default_factory=list)  # keys of the last planned load
     waiting_since: float | None = None  # waiting for a promotion since (monotonic)
+    last_save_step: int = -1  # the last step that planned a save of this request's blocks
     seed: bytes = b""  # the chain's seed: the namespace, plus the request's LoRA and cache salt
     uncacheable: bool = False  # multimodal or embedding inputs: tokens alone do not name the KV
 
 
 class SchedulerSide:
     def __init__(self, store: Placement | TieredStore, namespace: KeyNamespace, block_tokens: int, ranks: int,
-                 kv_cache_manager: Any = None, promote_timeout_s: float = 5.0) -> None:
+                 kv_cache_manager: Any = None, promote_timeout_s: float = 5.0, async_saves: bool = False) -> None:
         self.promote_timeout_s = promote_timeout_s
+        # Workers copy on a device stream and settle saves after the step
+        # (worker.py): a finished request's blocks are freed only once its
+        # saves are reported done. False on CPU, where saves are synchronous.
+        self.async_saves = async_saves
+        self._settled_step = -1  # every step up to this one is reported done by all ranks
+        self._delayed: dict[str, int] = {}  # request -> last save step, for the next plan
         self.promote_poll_s = 0.001
         # Embedded or the node's pool: the same calls (placement.py).
         self.store: Placement = EmbeddedPlacement(store) if isinstance(store, TieredStore) else store
@@ -225,7 +232,8 @@ class SchedulerSide:
     def failed_step_plan(self) -> StepPlan:
         """A plan for a step whose planning failed: every planned load fails, nothing is saved."""
         plan = StepPlan(step=self._step, arena=self.store.arena_path,
-                        loads=[BlockCopy(c.block_id, -1, c.key) for c in self._loads_this_step])
+                        loads=[BlockCopy(c.block_id, -1, c.key) for c in self._loads_this_step],
+                        delayed=self._take_delayed())
         self.store.abandon_saves(self._step)  # slots taken before the failure: no one will write them
         # Requests planned before the failure moved their "saved up to" mark
         # past those abandoned saves: back to where this step started, so the
@@ -265,6 +273,7 @@ class SchedulerSide:
             for (_, block_id, key), slot in zip(pairs, slots):
                 if slot is not None:
                     plan.saves.append(BlockCopy(block_id, slot, key))
+                    st.last_save_step = step
             # A block that got no slot for lack of room is planned again in a
             # later step: the mark stops there (blocks after it that did get
             # a slot are held by then, and skipped).
@@ -272,9 +281,14 @@ class SchedulerSide:
         # The arena of the placement as it is now, after this step's calls: a
         # reconnection to a restarted service during them may have changed it.
         plan.arena = self.store.arena_path
+        plan.delayed = self._take_delayed()
         self._loads_this_step = []
         self._step += 1
         return plan
+
+    def _take_delayed(self) -> dict[str, int]:
+        delayed, self._delayed = self._delayed, {}
+        return delayed
 
     def update_connector_output(self, output: Any) -> None:
         report = getattr(output, "kv_connector_worker_meta", None)
@@ -293,6 +307,7 @@ class SchedulerSide:
                 for step in [s for s in self._rewind if s <= last_done]:
                     del self._rewind[step]
             for step, n in sorted(report.done.items()):
+                self._settled_step = max(self._settled_step, step)
                 if n >= self.ranks:
                     self.store.complete_step(step, failed_slots=report.failed_slots)
                 else:
@@ -351,7 +366,12 @@ class SchedulerSide:
         return {src: n for src, n in out.items() if n}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        self._reqs.pop(request.request_id, None)
+        """True (vLLM keeps the blocks) while a save of this request may
+        still be reading them; the workers report it in ``get_finished``."""
+        st = self._reqs.pop(request.request_id, None)
+        if self.async_saves and st is not None and st.last_save_step > self._settled_step:
+            self._delayed[request.request_id] = st.last_save_step
+            return True, None
         return False, None
 
     def get_kv_connector_stats(self) -> KvtierStats | None:

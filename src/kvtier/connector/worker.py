@@ -13,9 +13,35 @@ Runs in each vLLM worker process (one per rank). Per engine step:
 4. ``build_connector_worker_meta``: report the step as done, with the save
    slots that failed and the keys found corrupt.
 
-Copies are synchronous: on the CPU build a block copy is a memcpy far
-shorter than the forward pass that produced it (docs/benchmarks.md measures
-the cost), and a synchronous save cannot race vLLM freeing the block.
+On CPU, copies are synchronous: a block copy is a memcpy far shorter than
+the forward pass that produced it (docs/benchmarks.md measures the cost),
+and a synchronous save cannot race vLLM freeing the block.
+
+On a CUDA device, copies run on a stream of the worker's own
+(copy.StreamCopies), between vLLM's blocks and the arena registered as
+page-locked memory (hostmem.pin_host_memory; pageable if that fails, said
+once in the log):
+
+* loads are queued in ``start_load_kv`` layer by layer, each layer with an
+  event that ``wait_for_layer_load`` makes vLLM's stream wait for;
+* saves are queued in ``save_kv_layer`` as each layer's attention has
+  written its KV (layers vLLM did not announce are queued in
+  ``wait_for_save``); ``wait_for_save`` records an event and does not wait
+  for it, and makes vLLM's stream wait for the copies before anything it
+  queues next (the next step's block zeroing and KV writes): a block freed
+  by vLLM (preemption frees without asking) is never overwritten while a
+  save still reads it, and the host never waits;
+* a step's slots are sealed once its event has completed (polled at the
+  next hook), and the step's report is held back until then: reports go
+  out in step order, since the store settles every step up to the one
+  reported;
+* requests whose free the scheduler delayed (``request_finished``, listed
+  in a later plan's ``delayed``) are reported by ``get_finished`` once
+  every step up to their last save has been settled.
+
+If vLLM's KV tensors have a shape kvtier cannot read (layout.py), the
+worker stays inert: one error line, every planned load a load error,
+every save a failed slot; the engine serves without the cache.
 Errors never escape into vLLM: they become misses.
 """
 
@@ -24,27 +50,52 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from kvtier.connector.copy import gather_blocks, scatter_blocks, slot_matrix
+from kvtier.connector.copy import StreamCopies, gather_blocks, scatter_blocks, slot_matrix
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import KvtierStats
-from kvtier.layout import KvLayout, LayoutKind, block_major
+from kvtier.hostmem import PinnedRegion, pin_host_memory
+from kvtier.layout import KvLayout, LayoutKind
 from kvtier.tier.dram import DramTier, checksum
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _HeldStep:
+    """A step whose report waits for its saves' copies (device copies only)."""
+
+    step: int
+    report: StepReport | None = None  # None until vLLM took the step's report
+    saves: list[BlockCopy] = field(default_factory=list)
+    done: Any = None  # an event with query(); None: nothing queued
+    failed: bool = False  # the saves must not be published
+    registered: bool = False  # wait_for_save ran for this step
+    started_s: float = 0.0
+
+
 class WorkerSide:
     def __init__(self, rank: int, num_blocks: int, verify_checksums: bool = True,
-                 kind: LayoutKind | None = None) -> None:
+                 kind: LayoutKind | None = None, block_tokens: int | None = None) -> None:
         self.rank = rank
         self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
         self.verify_checksums = verify_checksums
         self._kind = kind
         self.layout: KvLayout | None = None
+        self.inert_reason = ""  # why this worker copies nothing ("" when it works)
+        self._copies: StreamCopies | None = None  # device copies; None on CPU
+        self._pinned: PinnedRegion | None = None
+        self._layer_index: dict[str, int] = {}
+        self._saved_layers: set[int] = set()  # layers whose saves of step _saved_step are queued
+        self._saved_step = -1
+        self._held: list[_HeldStep] = []  # device copies: steps not yet reported, in order
+        self._delayed: dict[str, int] = {}  # request -> last step with its saves (frees delayed)
+        self._last_step = -1
         self._layers: list[torch.Tensor] = []
         self._tier: DramTier | None = None
         self._slots: torch.Tensor | None = None
@@ -62,10 +113,25 @@ class WorkerSide:
         self._step_load_failed = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self._kind)
-        self._layers = [block_major(kv_caches[n], self.layout.kind) for n in self.layout.layer_names]
-        log.info("kvtier: %d layers, %s layout, %d bytes per block per layer",
-                 len(self._layers), self.layout.kind.value, self.layout.layer_block_bytes)
+        """Read the layout of vLLM's KV tensors; a layout kvtier cannot read
+        leaves the worker inert (one error line) instead of failing start-up."""
+        try:
+            layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self._kind, self.block_tokens)
+        except ValueError as err:
+            self.inert_reason = str(err)
+            log.error("kvtier: off on worker rank %d: %s; every load is recomputed and nothing is saved",
+                      self.rank, err)
+            return
+        self.layout = layout
+        self._layers = [layout.block_major(kv_caches[n]) for n in layout.layer_names]
+        self._layer_index = {n: i for i, n in enumerate(layout.layer_names)}
+        device = self._layers[0].device
+        if device.type == "cuda":
+            self._copies = StreamCopies(device)
+        log.info("kvtier: %d layers, %s layout%s, %d bytes per block per layer, %s copies",
+                 len(self._layers), layout.kind.value,
+                 f" ({layout.kernel_blocks} kernel blocks per block)" if layout.kernel_blocks > 1 else "",
+                 layout.layer_block_bytes, "asynchronous device" if self._copies else "synchronous")
 
     def _attach(self, path: str) -> bool:
         """Map the arena at ``path``; a plan naming another arena than the
@@ -94,12 +160,32 @@ class WorkerSide:
                               f"{self.layout.block_bytes} bytes")
             log.error("%s", err)
             raise err
-        if self._tier is not None:
-            self._tier.close()
+        self._close_arena()
         self._tier = tier
+        if self._copies is not None:
+            self._pin(tier)
         region = tier._slots[:, self.rank * tier.rank_stride : self.rank * tier.rank_stride + tier.rank_bytes]
         self._slots = slot_matrix(region, self.layout)
         return True
+
+    def _pin(self, tier: DramTier) -> None:
+        data = tier._slots
+        self._pinned, why = pin_host_memory(data.data_ptr(), data.numel())
+        if self._pinned is None:
+            log.warning("kvtier: the DRAM arena %s stays pageable (%s): device copies go through the "
+                        "driver's bounce buffer and block vLLM's thread", tier.path, why)
+
+    def _close_arena(self) -> None:
+        if self._tier is None:
+            return
+        if self._copies is not None:
+            self._copies.close()  # no copy may touch the mapping once it is gone
+        if self._pinned is not None:
+            self._pinned.release()
+            self._pinned = None
+        self._slots = None
+        self._tier.close()
+        self._tier = None
 
     # --- loads ------------------------------------------------------------
 
@@ -107,6 +193,9 @@ class WorkerSide:
         self._report = StepReport(done={plan.step: 1}) if (plan.loads or plan.saves) else None
         self._last_report = None
         self._step_load_failed = False
+        self._delayed.update(plan.delayed)
+        if self._copies is not None:
+            self._begin_device_step(plan)
         if not plan.loads:
             return
         if not self._attach(plan.arena):
@@ -126,8 +215,12 @@ class WorkerSide:
                 # Published but not sealed for this key: the index must forget it.
                 self._report.corrupt_keys.append(c.key)
         try:
-            scatter_blocks(self._layers, self.layout, [c.block_id for c in good], self._slots,
-                           [c.slot for c in good])
+            if self._copies is not None:
+                self._copies.load(self._layers, self.layout, [c.block_id for c in good], self._slots,
+                                  [c.slot for c in good])
+            else:
+                scatter_blocks(self._layers, self.layout, [c.block_id for c in good], self._slots,
+                               [c.slot for c in good])
         except Exception:  # noqa: BLE001
             log.exception("kvtier: loading %d blocks failed; vLLM recomputes them", len(good))
             self._load_errors.update(c.block_id for c in good)
@@ -203,8 +296,32 @@ class WorkerSide:
 
     # --- saves ------------------------------------------------------------
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._copies is not None:
+            index = self._layer_index.get(layer_name)
+            if index is not None:
+                self._copies.wait_layer(index)
+
+    def save_kv_layer(self, layer_name: str, plan: StepPlan) -> None:
+        """Queue the device-to-host copies of one layer's saves (device copies only)."""
+        if self._copies is None or not plan.saves:
+            return
+        index = self._layer_index.get(layer_name)
+        self._saving_step(plan.step)
+        if index is None or index in self._saved_layers or not self._attach(plan.arena):
+            return
+        self._held_step(plan.step)  # the step's slots are now being written
+        self._copies.save_layer(index, self._layers[index], self.layout, [c.block_id for c in plan.saves],
+                                self._slots, [c.slot for c in plan.saves])
+        self._saved_layers.add(index)
+
     def wait_for_save(self, plan: StepPlan) -> None:
+        if self._copies is not None:
+            self._copies.wait_loads()
         if not plan.saves:
+            return
+        if self._copies is not None:
+            self._queue_saves(plan)
             return
         report = self._current_report(plan.step)
         self._join_verification()  # the step's load errors must be known before anything is saved
@@ -237,7 +354,129 @@ class WorkerSide:
         self._join_verification()  # normally joined already, with the load errors
         report, self._report = self._report, None
         self._last_report = report
-        return report
+        if self._copies is None and not self._held:
+            return report
+        if report is not None:
+            step = next(iter(report.done))
+            held = next((h for h in self._held if h.step == step), None)
+            if held is None:
+                # No saves planned (start_load_kv holds a step that has
+                # some): nothing to wait for but the steps before it.
+                held = self._held_step(step)
+                held.registered = True
+            held.report = report
+        return self._release()
+
+    # --- device copies: saves settled after their event -----------------------
+
+    def _begin_device_step(self, plan: StepPlan) -> None:
+        self._last_step = max(self._last_step, plan.step)
+        if plan.saves:
+            self._held_step(plan.step)  # its report waits for wait_for_save
+        # A step whose wait_for_save never came: its copies (if any were
+        # queued) finish before its slots are given back as failed.
+        for held in self._held:
+            if not held.registered and held.step < plan.step:
+                held.registered, held.failed = True, True
+                held.done = self._copies.end_saves()
+
+    def _held_step(self, step: int) -> _HeldStep:
+        for held in self._held:
+            if held.step == step:
+                return held
+        held = _HeldStep(step, started_s=time.perf_counter())
+        self._held.append(held)
+        self._held.sort(key=lambda h: h.step)
+        return held
+
+    def _saving_step(self, step: int) -> None:
+        # save_kv_layer runs during the forward pass, which may come before
+        # start_load_kv (vLLM starts loads after the forward when a step has
+        # none to wait for): the set of saved layers is kept per step.
+        if step != self._saved_step:
+            self._saved_step, self._saved_layers = step, set()
+
+    def _queue_saves(self, plan: StepPlan) -> None:
+        self._saving_step(plan.step)
+        held = self._held_step(plan.step)
+        held.saves = list(plan.saves)
+        held.registered = True
+        self._join_verification()  # the step's load errors must be known before anything is published
+        held.failed = self._step_load_failed or bool(self._load_errors) or not self._attach(plan.arena)
+        if not held.failed:
+            try:
+                # Layers vLLM did not announce through save_kv_layer.
+                for index in range(len(self._layers)):
+                    if index not in self._saved_layers:
+                        self._copies.save_layer(index, self._layers[index], self.layout,
+                                                [c.block_id for c in plan.saves], self._slots,
+                                                [c.slot for c in plan.saves])
+                        self._saved_layers.add(index)
+            except Exception:  # noqa: BLE001 - a failed save is only a future miss
+                log.exception("kvtier: queueing %d saves failed", len(plan.saves))
+                held.failed = True
+        if self._saved_layers:
+            held.done = self._copies.end_saves()
+            # vLLM's next work (block zeroing, the next step's KV writes)
+            # waits on the device for these copies, never on the host.
+            self._copies.begin_step()
+
+    def _settle(self, held: _HeldStep) -> bool:
+        """Seal (or fail) a registered step's slots once its copies are done; False while they run."""
+        if not held.registered:
+            return False
+        if held.done is not None and not held.done.query():
+            return False
+        held.done = None
+        report = held.report if held.report is not None else StepReport(done={held.step: 1})
+        held.report = report
+        if not held.saves:
+            return True
+        if held.failed or self._tier is None:
+            report.failed_slots.extend(c.slot for c in held.saves)
+            self._stats.add("save_errors", len(held.saves))
+            held.saves = []
+            return True
+        try:
+            for c in held.saves:
+                self._tier.seal(c.slot, c.key, self.rank, checksum(self._tier.rank_view(c.slot, self.rank), c.key))
+        except Exception:  # noqa: BLE001 - a failed save is only a future miss
+            log.exception("kvtier: sealing %d saved blocks failed", len(held.saves))
+            report.failed_slots.extend(c.slot for c in held.saves)
+            self._stats.add("save_errors", len(held.saves))
+        else:
+            self._stats.add("blocks_saved", len(held.saves))
+            self._stats.add("bytes_saved", len(held.saves) * self.layout.block_bytes)
+            self._stats.add("save_seconds", time.perf_counter() - held.started_s)
+        held.saves = []
+        return True
+
+    def _release(self) -> StepReport | None:
+        """Reports of the leading steps whose saves are settled and whose
+        report vLLM has handed over, merged; None if there are none."""
+        out: StepReport | None = None
+        while self._held and self._held[0].report is not None and self._settle(self._held[0]):
+            report = self._held.pop(0).report
+            out = report if out is None else out.aggregate(report)
+        return out
+
+    def release_delayed(self) -> set[str]:
+        done, self._delayed = set(self._delayed), {}
+        return done
+
+    def get_finished(self) -> set[str] | None:
+        """Requests whose delayed free may go ahead: every step up to their last save is settled."""
+        if not self._delayed:
+            return None
+        for held in self._held:
+            if not self._settle(held):
+                break
+        pending = [h.step for h in self._held if h.saves or h.done is not None or not h.registered]
+        settled_through = (min(pending) - 1) if pending else max(self._last_step, max(self._delayed.values()))
+        done = {r for r, step in self._delayed.items() if step <= settled_through}
+        for r in done:
+            del self._delayed[r]
+        return done or None
 
     def _current_report(self, step: int) -> StepReport:
         report = self._report or self._last_report
@@ -255,9 +494,6 @@ class WorkerSide:
         self._join_verification()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self._slots = None
-        if self._tier is not None:
-            self._tier.close()
-            self._tier = None
+        self._close_arena()
 
 

@@ -1,0 +1,10 @@
+#!/bin/sh
+# kvtier's CUDA copy path checked in one step on a machine with an NVIDIA GPU:
+# bit-exact round trips for each paged layout, copy GB/s against a pinned copy_,
+# and (with --e2e, when a CUDA build of vLLM is importable) a DRAM hit served by
+# vLLM with the device hit's output. Uses the python3 already there (CUDA torch
+# 2.11+, numpy, xxhash); installs nothing, needs no network. Arguments go to
+# bench/gpu_check.py (--blocks N, --e2e, --shm-dir DIR).
+set -eu
+here=$(cd "$(dirname "$0")/.." && pwd)
+PYTHONPATH="$here/src${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" "$here/bench/gpu_check.py" "$@"

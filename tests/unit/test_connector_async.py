@@ -1,0 +1,180 @@
+"""The worker's device-copy path on CPU tensors: saves settled after their
+copies finish, reports in step order, delayed frees, inert start-up.
+
+The CUDA stream is the one stand-in (:class:`Stream`, at the device
+boundary): it performs the same copy functions as copy.StreamCopies,
+synchronously, and hands out completion events the test finishes by hand,
+as a device would finish them later. The arena, the layouts and the store
+are real.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.connector.copy import gather_blocks, scatter_blocks
+from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
+from kvtier.connector.scheduler import SchedulerSide
+from kvtier.connector.worker import WorkerSide
+from kvtier.store import TieredStore
+from tests.unit.test_scheduler import BLOCK, NS, Manager, Output, Req, StepOutput
+KEY_A, KEY_B, KEY_C = b"a" * 16, b"b" * 16, b"c" * 16
+
+
+class Event:
+    def __init__(self) -> None:
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+
+class Stream:
+    """copy.StreamCopies' calls, with events that complete when the test says."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.saved_layers: list[int] = []
+        self.waited_layers: list[int] = []
+        self.fences = 0  # begin_step: vLLM's stream waits for the copies queued so far
+
+    def begin_step(self) -> None:
+        self.fences += 1
+
+    def load(self, layers, layout, block_ids, slots, slot_ids) -> None:
+        for i, bm in enumerate(layers):
+            scatter_blocks([bm], layout, block_ids, slots, slot_ids, first_layer=i)
+
+    def wait_layer(self, index: int) -> None:
+        self.waited_layers.append(index)
+
+    def wait_loads(self) -> None:
+        pass
+
+    def save_layer(self, index, bm, layout, block_ids, slots, slot_ids) -> None:
+        self.saved_layers.append(index)
+        gather_blocks([bm], layout, block_ids, slots, slot_ids, first_layer=index)
+
+    def end_saves(self) -> Event:
+        self.events.append(Event())
+        return self.events[-1]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def device_worker(make_tier, capacity_for):
+    tier = make_tier(capacity_for(8, 4096), 4096)
+    w = WorkerSide(rank=0, num_blocks=16)
+    kv = {f"l{i}": torch.randn(16, 2, BLOCK, 8) for i in range(2)}
+    w.register_kv_caches(kv)
+    w._copies = stream = Stream()  # what register_kv_caches sets for CUDA tensors
+    return w, tier, stream
+
+
+def step(w: WorkerSide, plan: StepPlan, announce: tuple[str, ...] = ("l0", "l1")):
+    """One engine step as vLLM's runner calls the worker; returns the report vLLM gets."""
+    w.start_load_kv(plan)
+    for name in announce:
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, plan)
+    w.wait_for_save(plan)
+    w.get_block_ids_with_load_errors()
+    return w.build_report()
+
+
+def test_a_save_is_sealed_and_reported_only_after_its_copies_finish(device_worker) -> None:
+    # Before: wait_for_save copied every layer with .cpu() and sealed at
+    # once; the host waited for the whole forward pass.
+    w, tier, stream = device_worker
+    plan = StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)])
+    assert step(w, plan) is None  # the report waits for the copies
+    assert stream.saved_layers == [0, 1] and stream.fences == 1
+    assert not tier.is_sealed(0, KEY_A)
+    assert step(w, StepPlan(step=2, arena=tier.path)) is None  # a later step waits behind it
+    stream.events[0].finished = True
+    report = step(w, StepPlan(step=3, arena=tier.path, saves=[BlockCopy(4, 1, KEY_B)]))
+    assert report is not None and report.done == {1: 1} and report.failed_slots == []
+    assert tier.verify(0, KEY_A, 0)
+    stream.events[1].finished = True
+    report = step(w, StepPlan(step=4, arena=tier.path))  # nothing to copy: no report of its own
+    assert report.done == {3: 1} and tier.verify(1, KEY_B, 0)
+
+
+def test_layers_vllm_did_not_announce_are_saved_in_wait_for_save(device_worker) -> None:
+    w, tier, stream = device_worker
+    plan = StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)])
+    step(w, plan, announce=("l1",))
+    assert sorted(stream.saved_layers) == [0, 1]
+    stream.events[0].finished = True
+    assert step(w, StepPlan(step=2, arena=tier.path)).done == {1: 1}
+    assert tier.verify(0, KEY_A, 0)  # both layers' bytes are in the slot
+
+
+def test_saves_of_a_step_whose_load_failed_are_failed_once_their_copies_end(device_worker) -> None:
+    w, tier, stream = device_worker
+    tier.clear(2, KEY_C)  # published for KEY_C, never sealed: the load fails
+    plan = StepPlan(step=1, arena=tier.path, loads=[BlockCopy(5, 2, KEY_C)], saves=[BlockCopy(3, 0, KEY_A)])
+    w.start_load_kv(plan)
+    for name in ("l0", "l1"):
+        w.save_kv_layer(name, plan)
+    w.wait_for_save(plan)
+    assert w.get_block_ids_with_load_errors() == {5}
+    assert w.build_report() is None  # the slot is still being written: not given back yet
+    stream.events[0].finished = True
+    report = step(w, StepPlan(step=2, arena=tier.path))
+    assert report.done == {1: 1} and report.failed_slots == [0] and report.corrupt_keys == [KEY_C]
+    assert not tier.is_sealed(0, KEY_A)
+
+
+def test_a_delayed_free_is_reported_once_its_saves_are_settled(device_worker) -> None:
+    w, tier, stream = device_worker
+    step(w, StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)]))
+    w.start_load_kv(StepPlan(step=2, arena=tier.path, delayed={"req-1": 1}))
+    assert w.get_finished() is None  # step 1's copies still read the request's blocks
+    stream.events[0].finished = True
+    assert w.get_finished() == {"req-1"}
+    assert w.get_finished() is None  # reported once
+
+
+def test_an_unreadable_kv_shape_leaves_the_worker_inert(make_tier, capacity_for) -> None:
+    # Before: register_kv_caches raised and vLLM's start-up failed.
+    tier = make_tier(capacity_for(8, 4096), 4096)
+    w = WorkerSide(rank=0, num_blocks=16, block_tokens=BLOCK)
+    w.register_kv_caches({"l0": torch.zeros(24, 2, BLOCK, 8)})  # 24 rows: neither 16 blocks nor a split
+    assert w.layout is None and "kernel blocks" in w.inert_reason
+    plan = StepPlan(step=0, arena=tier.path, loads=[BlockCopy(3, 0, KEY_A)], saves=[BlockCopy(5, 1, KEY_B)])
+    w.start_load_kv(plan)
+    w.wait_for_save(plan)
+    assert w.get_block_ids_with_load_errors() == {3}  # recomputed, never read from a slot
+    assert w.build_report().failed_slots == [1]
+    w.start_load_kv(StepPlan(step=1, arena=tier.path, delayed={"r": 0}))
+    assert w.get_finished() == {"r"}  # an inert worker never holds vLLM's blocks
+
+
+# --- the scheduler's half: delayed frees ------------------------------------------
+
+
+@pytest.mark.parametrize("async_saves", [True, False], ids=["device", "cpu"])
+def test_a_finished_request_waits_for_its_saves_on_a_device_only(make_tier, capacity_for, async_saves) -> None:
+    tier = make_tier(capacity_for(16, 4096), 4096)
+    side = SchedulerSide(TieredStore(tier), NS, BLOCK, ranks=1, kv_cache_manager=Manager(),
+                         async_saves=async_saves)
+    req = Req("r", list(range(2 * BLOCK + 1)))
+    side.kv_cache_manager.blocks["r"] = [7, 8, 9]
+    side.get_num_new_matched_tokens(req, 0)
+    plan = side.build_connector_meta(Output({"r": 2 * BLOCK + 1}))
+    assert [c.block_id for c in plan.saves] == [7, 8]
+    delay, _ = side.request_finished(req, [7, 8, 9])
+    assert delay is async_saves  # CPU saves are done when the step ends: nothing to wait for
+    plan2 = side.build_connector_meta(Output({}))
+    assert plan2.delayed == ({"r": plan.step} if async_saves else {})
+    side.update_connector_output(StepOutput(StepReport(done={plan.step: 1})))
+    other = Req("s", list(range(100, 100 + 2 * BLOCK + 1)))
+    side.kv_cache_manager.blocks["s"] = [1, 2, 3]
+    side.get_num_new_matched_tokens(other, 0)
+    side.build_connector_meta(Output({"s": 2 * BLOCK + 1}))
+    side.update_connector_output(StepOutput(StepReport(done={plan2.step + 1: 1})))
+    assert side.request_finished(other, [1, 2, 3]) == (False, None)  # its step is settled already
