@@ -178,3 +178,16 @@ def test_a_finished_request_waits_for_its_saves_on_a_device_only(make_tier, capa
     side.build_connector_meta(Output({"s": 2 * BLOCK + 1}))
     side.update_connector_output(StepOutput(StepReport(done={plan2.step + 1: 1})))
     assert side.request_finished(other, [1, 2, 3]) == (False, None)  # its step is settled already
+
+
+def test_a_step_settled_before_vllm_took_its_report_keeps_its_failures(device_worker) -> None:
+    w, tier, stream = device_worker
+    tier.clear(2, KEY_C)  # the step's load fails: its saves are failed slots
+    plan = StepPlan(step=1, arena=tier.path, loads=[BlockCopy(5, 2, KEY_C)], saves=[BlockCopy(3, 0, KEY_A)],
+                    delayed={"r": 0})
+    w.start_load_kv(plan)
+    w.wait_for_save(plan)  # nothing queued: the step's load failed
+    assert w.get_finished() == {"r"}  # settles step 1 before vLLM takes its report
+    w.get_block_ids_with_load_errors()
+    report = w.build_report()
+    assert report.done == {1: 1} and report.failed_slots == [0]

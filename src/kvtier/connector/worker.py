@@ -74,6 +74,7 @@ class _HeldStep:
     saves: list[BlockCopy] = field(default_factory=list)
     done: Any = None  # an event with query(); None: nothing queued
     failed: bool = False  # the saves must not be published
+    failed_slots: list[int] = field(default_factory=list)  # settled as failed, for the report
     registered: bool = False  # wait_for_save ran for this step
     started_s: float = 0.0
 
@@ -428,12 +429,10 @@ class WorkerSide:
         if held.done is not None and not held.done.query():
             return False
         held.done = None
-        report = held.report if held.report is not None else StepReport(done={held.step: 1})
-        held.report = report
         if not held.saves:
             return True
         if held.failed or self._tier is None:
-            report.failed_slots.extend(c.slot for c in held.saves)
+            held.failed_slots.extend(c.slot for c in held.saves)
             self._stats.add("save_errors", len(held.saves))
             held.saves = []
             return True
@@ -442,7 +441,7 @@ class WorkerSide:
                 self._tier.seal(c.slot, c.key, self.rank, checksum(self._tier.rank_view(c.slot, self.rank), c.key))
         except Exception:  # noqa: BLE001 - a failed save is only a future miss
             log.exception("kvtier: sealing %d saved blocks failed", len(held.saves))
-            report.failed_slots.extend(c.slot for c in held.saves)
+            held.failed_slots.extend(c.slot for c in held.saves)
             self._stats.add("save_errors", len(held.saves))
         else:
             self._stats.add("blocks_saved", len(held.saves))
@@ -456,7 +455,9 @@ class WorkerSide:
         report vLLM has handed over, merged; None if there are none."""
         out: StepReport | None = None
         while self._held and self._held[0].report is not None and self._settle(self._held[0]):
-            report = self._held.pop(0).report
+            held = self._held.pop(0)
+            report = held.report
+            report.failed_slots.extend(held.failed_slots)
             out = report if out is None else out.aggregate(report)
         return out
 
