@@ -1,0 +1,181 @@
+"""Two nodes on one machine over Mooncake Store: a prefix computed on node 1 is a p2p hit on node 2.
+
+Each "node" has its own address (127.0.0.2 and 127.0.0.3, loopback
+addresses of their own), its own config files, shared-memory folder and
+pool: node 1 runs ``kvtier meta`` (its pool, and Mooncake's master as a
+supervised child), node 2 ``kvtier meta --role local`` (its pool at
+``kvtier.node_service_url``, joined to the master that node 1's address
+names). One vLLM instance per node, attached to its own node's pool only,
+so the only way node 2 can hit node 1's KV is the cluster tier. Outputs
+are compared token for token (greedy, float32). Then Mooncake's master is
+killed with -9 while both serve: requests complete with the same output,
+and once node 1's service has restarted it, hits resume.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[cluster] extra")
+
+from kvtier.tools.meta import MetaProcess  # noqa: E402
+from kvtier.tools.server import VllmServer, free_port, parse_metrics  # noqa: E402
+from tests.e2e.conftest import BLOCK, assert_loads_succeeded, complete, delta, server_options, tokens  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+P2P = 'vllm:prompt_tokens_cached_by_source_total{source="p2p"}'
+EXT_HITS = "vllm:external_prefix_cache_hits_total"
+NODE1, NODE2 = "127.0.0.2", "127.0.0.3"
+
+
+def write_configs(folder: Path, meta_port: int, master_port: int, master_metrics: int,
+                  node: str, second: bool) -> tuple[Path, Path]:
+    shm = folder / "shm"
+    shm.mkdir(parents=True, exist_ok=True)
+    meta = folder / "mmc-meta.conf"
+    meta.write_text(f"ock.mmc.meta_service_url = tcp://{NODE1}:{meta_port}\n"
+                    f"ock.mmc.meta_service.metrics_url = http://{node}:{free_port()}\n"
+                    "kvtier.cluster.enabled = true\n"
+                    f"kvtier.cluster.master_port = {master_port}\n"
+                    f"kvtier.cluster.master_metrics_port = {master_metrics}\n")
+    local = folder / "mmc-local.conf"
+    local.write_text(f"ock.mmc.meta_service_url = tcp://{NODE1}:{meta_port}\n"
+                     "ock.mmc.local_service.protocol = host_shm\n"
+                     "ock.mmc.local_service.dram.size = 24MB\n"
+                     "ock.mmc.local_service.world_size = 1\n"
+                     f"kvtier.shm_dir = {shm}\n"
+                     "kvtier.cluster.enabled = true\n"
+                     f"kvtier.cluster.master_port = {master_port}\n"
+                     f"kvtier.cluster.master_metrics_port = {master_metrics}\n"
+                     f"kvtier.cluster.local_hostname = {node}\n"
+                     "kvtier.cluster.segment_size = 64MB\n"
+                     + (f"kvtier.node_service_url = tcp://{node}:{free_port()}\n" if second else ""))
+    return meta, local
+
+
+class Node:
+    def __init__(self, folder: Path, model: str, meta_port: int, master_port: int, master_metrics: int,
+                 second: bool) -> None:
+        self.folder = folder
+        addr = NODE2 if second else NODE1
+        meta, self.local = write_configs(folder, meta_port, master_port, master_metrics, addr, second)
+        # A worker node has only its local file (for both variables);
+        # kvtier meta there runs as --role local.
+        self.meta = MetaProcess(self.local if second else meta, self.local, log_path=folder / "meta.log",
+                                args=["--role", "local"] if second else ["--cluster-log", str(folder / "master.log")])
+        self.model = model
+        self.server: VllmServer | None = None
+
+    def start_instance(self) -> VllmServer:
+        opts = server_options(self.model, {"backend": "memcache"}, env=self.meta.env_for_clients()
+                              | {"VLLM_LOG_STATS_INTERVAL": "1"})
+        self.server = VllmServer(opts, log_path=self.folder / "vllm.log").start()
+        return self.server
+
+    def pool_metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.meta.metrics_url + "/metrics", timeout=5).text)
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def nodes(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+    meta_port, master_port, master_metrics = free_port(), free_port(), free_port()
+    n1 = Node(tmp_path_factory.mktemp("node1"), tiny_model, meta_port, master_port, master_metrics, False)
+    n2 = Node(tmp_path_factory.mktemp("node2"), tiny_model, meta_port, master_port, master_metrics, True)
+    started: list[Node] = []
+    try:
+        for n in (n1, n2):
+            n.meta.start()
+            started.append(n)
+        for n in (n1, n2):
+            n.start_instance()
+        # A node's pool joins the cluster once its instance attached.
+        wait_for(lambda: all(n.pool_metrics().get("kvtier_cluster_up") == 1 for n in (n1, n2)), 60,
+                 "both nodes to join Mooncake's master")
+        yield n1, n2
+    finally:
+        for n in started:
+            if n.server is not None:
+                n.server.stop()
+        for n in reversed(started):
+            n.meta.stop()
+
+
+def test_prefix_prefilled_on_node_1_is_a_p2p_hit_on_node_2(nodes: tuple[Node, Node]) -> None:
+    n1, n2 = nodes
+    a, b = n1.server, n2.server
+    assert a is not None and b is not None
+    prompt = tokens(71, 16 * BLOCK + 5)
+    cold = complete(a, prompt)
+    wait_for(lambda: n1.pool_metrics().get('kvtier_cluster_events_total{event="published"}', 0) >= 16, 30,
+             "node 1 to publish the prompt's blocks")
+    before = b.metrics()
+    on_b = complete(b, prompt)
+    after = b.metrics()
+    assert on_b["text"] == cold["text"]
+    assert delta(after, before, EXT_HITS) == 16 * BLOCK
+    assert delta(after, before, P2P) == 16 * BLOCK  # vLLM's source for blocks another node computed
+    assert_loads_succeeded(before, after, 16 * BLOCK)
+    pool2 = n2.pool_metrics()
+    assert pool2['kvtier_cluster_events_total{event="fetched"}'] == 16
+    assert pool2.get('kvtier_cluster_dropped_blocks_total{cause="corrupt"}', 0) == 0
+    # The two nodes' arenas are in their own folders: no shared memory between them.
+    assert not set(os.listdir(n1.folder / "shm")) & set(os.listdir(n2.folder / "shm"))
+
+
+def test_master_killed_requests_complete_then_hits_resume(nodes: tuple[Node, Node]) -> None:
+    n1, n2 = nodes
+    a, b = n1.server, n2.server
+    assert a is not None and b is not None
+    prompts = [tokens(80 + i, 10 * BLOCK + 3) for i in range(4)]
+    refs = [complete(a, p)["text"] for p in prompts]  # cold on node 1, published
+    results: list[str | None] = [None] * 8
+    go = threading.Event()
+
+    def ask(i: int) -> None:
+        go.wait()
+        results[i] = complete(b if i % 2 else a, prompts[i % 4])["text"]
+
+    pid = int(n1.pool_metrics()["kvtier_cluster_master_pid"])
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(ask, i) for i in range(8)]
+        go.set()
+        os.kill(pid, signal.SIGKILL)
+        for f in futs:
+            f.result()
+    assert results == [refs[i % 4] for i in range(8)]
+    for srv in (a, b):
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+    wait_for(lambda: n1.pool_metrics().get("kvtier_cluster_master_restarts", 0) >= 1, 30, "the master's restart")
+
+    # The restarted master starts empty and Mooncake's clients re-join it on
+    # their own schedule: a new prompt from node 1 is a p2p hit on node 2 again.
+    seeds = iter(range(200, 300))
+
+    def resumed() -> bool:
+        p = tokens(next(seeds), 8 * BLOCK + 1)
+        ref = complete(a, p)["text"]
+        time.sleep(1.0)
+        before = b.metrics()
+        got = complete(b, p)["text"]
+        assert got == ref
+        return delta(b.metrics(), before, P2P) == 8 * BLOCK
+
+    wait_for(resumed, 150, "p2p hits after the master's restart")
