@@ -95,7 +95,40 @@ class MoverHost(Protocol):
         ...
 
 
-class TierMover:
+class _Jobs:
+    """Jobs on a thread pool (``_io``), tracked until they end, under the store's lock."""
+
+    _lock: threading.RLock
+    _io: ThreadPoolExecutor | None
+    _inflight: set[Future]
+    _idle: threading.Condition
+
+    def _submit(self, fn, arg) -> None:
+        assert self._io is not None
+        fut = self._io.submit(fn, arg)
+        self._inflight.add(fut)
+        fut.add_done_callback(self._job_done)
+
+    def _job_done(self, fut: Future) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+            self._idle.notify_all()
+        if fut.exception() is not None:
+            log.error("kvtier: I/O job failed", exc_info=fut.exception())
+
+    def wait_progress(self, timeout_s: float) -> None:
+        """Block for at most ``timeout_s`` or until a job finishes, releasing the GIL."""
+        with self._idle:
+            if self._inflight:
+                self._idle.wait(timeout_s)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no job is in flight."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._inflight, timeout_s)
+
+
+class TierMover(_Jobs):
     """The I/O threads of one store and the moves running on them."""
 
     def __init__(self, host: MoverHost, lock: threading.RLock, counts: EventCounts, tier: DramTier,
@@ -159,32 +192,6 @@ class TierMover:
     def invalidate(self, slots: np.ndarray) -> None:
         """Empty the headers of SSD ``slots`` on an I/O thread, then free them."""
         self._submit(self._invalidate, slots)
-
-    # --- jobs in flight --------------------------------------------------------
-
-    def _submit(self, fn, arg) -> None:
-        assert self._io is not None
-        fut = self._io.submit(fn, arg)
-        self._inflight.add(fut)
-        fut.add_done_callback(self._job_done)
-
-    def _job_done(self, fut: Future) -> None:
-        with self._lock:
-            self._inflight.discard(fut)
-            self._idle.notify_all()
-        if fut.exception() is not None:
-            log.error("kvtier: I/O job failed", exc_info=fut.exception())
-
-    def wait_progress(self, timeout_s: float) -> None:
-        """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL."""
-        with self._idle:
-            if self._inflight:
-                self._idle.wait(timeout_s)
-
-    def wait_idle(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no I/O job is in flight."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._inflight, timeout_s)
 
     # --- jobs (run on the I/O threads) -----------------------------------------
 
@@ -352,7 +359,7 @@ class ClusterHost(Protocol):
         ...
 
 
-class ClusterMover:
+class ClusterMover(_Jobs):
     """The cluster tier's threads: lookups, fetches (cluster -> DRAM slot) and
     publishing (DRAM slot -> cluster), beside the :class:`TierMover`.
 
@@ -475,27 +482,6 @@ class ClusterMover:
         for i in range(0, len(jobs), CLUSTER_BATCH):
             self._submit(self._publish, jobs[i : i + CLUSTER_BATCH])
 
-    def _submit(self, fn, arg) -> None:
-        fut = self._io.submit(fn, arg)
-        self._inflight.add(fut)
-        fut.add_done_callback(self._job_done)
-
-    def _job_done(self, fut: Future) -> None:
-        with self._lock:
-            self._inflight.discard(fut)
-            self._idle.notify_all()
-        if fut.exception() is not None:
-            log.error("kvtier cluster: a job failed", exc_info=fut.exception())
-
-    def wait_idle(self, timeout_s: float = 30.0) -> bool:
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._inflight, timeout_s)
-
-    def wait_progress(self, timeout_s: float) -> None:
-        with self._idle:
-            if self._inflight:
-                self._idle.wait(timeout_s)
-
     # --- jobs (on the cluster threads) ------------------------------------------------
 
     def _fetch(self, jobs: list[tuple[bytes, int]]) -> None:
@@ -520,10 +506,7 @@ class ClusterMover:
             # Pinned by the store, so the bytes stay as they are checked: only
             # a block that matches its own header is published (a copy that
             # went bad in DRAM would otherwise travel as a "valid" block).
-            hdr = tier.header(slot)
-            full = (1 << tier.ranks) - 1
-            if hdr.key != key or hdr.ready_mask & full != full or any(
-                    checksum(tier.rank_view(slot, r), key) != hdr.checksums[r] for r in range(tier.ranks)):
+            if not all(tier.verify(slot, key, r) for r in range(tier.ranks)):
                 bad.add(key)
             else:
                 good.append((key, slot))

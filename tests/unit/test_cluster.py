@@ -291,3 +291,38 @@ def test_store_without_cluster_has_no_cluster_counters(make_tier) -> None:
         assert EntryState.READY  # the enum is unchanged by the cluster tier
     finally:
         store.close()
+
+
+def test_publish_on_evict_sends_blocks_as_they_leave_dram(make_tier, cluster_cfg: ClusterConfig,
+                                                          master: MasterSupervisor) -> None:
+    """kvtier.cluster.publish = evict: nothing is published on save; a block
+    DRAM eviction picks is published first and freed by a later eviction."""
+    from kvtier.tier.dram import checksum
+
+    tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)  # 8 slots: high mark 7, low 4
+    store = TieredStore(tier, 90, 50, cluster=MooncakeTier(cluster_cfg, tier), publish_on_evict=True)
+    try:
+        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
+
+        def save(keys: list[bytes], step: int) -> None:
+            slots = store.prepare_save(keys, step)
+            for i, (key, slot) in enumerate(zip(keys, slots)):
+                if slot is not None:
+                    view = tier.rank_view(slot, 0)
+                    view.numpy()[:] = block_bytes(20, step * 10 + i, 0, RANK_BYTES)
+                    tier.seal(slot, key, 0, checksum(view, key))
+            store.complete_step(step)
+
+        first = [block_key(20, i) for i in range(6)]
+        save(first, 0)
+        store.wait_idle(30)
+        assert store.counters()["cluster_published"] == 0  # not on save
+        save([block_key(21, i) for i in range(3)], 1)  # past the high mark: eviction starts
+        store.wait_idle(30)
+        assert store.counters()["cluster_published"] >= 1
+        assert store.cluster.remote.exists(first[:1]) == [True]  # the coldest went first
+        save([block_key(22, i) for i in range(3)], 2)  # the next eviction frees what was published
+        store.wait_idle(30)
+        assert not store.contains(first[0])
+    finally:
+        store.close()
