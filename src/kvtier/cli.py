@@ -468,6 +468,9 @@ def parser() -> argparse.ArgumentParser:
     me = sub.add_parser("meta", help="the node's pool: one meta service per node, shared by every vLLM instance")
     meta_parser(me)
     me.set_defaults(func=_meta)
+    lo = sub.add_parser("local", help="another node's pool under the cluster tier: kvtier meta --role local")
+    meta_parser(lo)
+    lo.set_defaults(func=_meta, role="local")
 
     sv = sub.add_parser("serve", help="start the meta service and N vLLM instances wired to it; stop on Ctrl-C")
     sv.add_argument("--model", required=True, help="what vLLM serves (a path or a model id)")
