@@ -90,3 +90,14 @@ def test_an_instance_that_dies_is_reported_with_its_log_and_everything_stops(tmp
 
 
 PORT, METRICS = free_port(), free_port()
+
+
+def test_worker_node_of_the_cluster_runs_the_local_role(tmp_path: Path) -> None:
+    from kvtier.tools.serve import meta_role_args
+
+    local = tmp_path / "mmc-local.conf"
+    local.write_text("ock.mmc.meta_service_url = tcp://10.0.0.1:5000\n")
+    assert meta_role_args(local) == []
+    local.write_text("ock.mmc.meta_service_url = tcp://10.0.0.1:5000\nkvtier.node_service_url = tcp://127.0.0.1:5010\n"
+                     "kvtier.cluster.enabled = true\n")
+    assert meta_role_args(local) == ["--role", "local"]

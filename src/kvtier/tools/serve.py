@@ -89,6 +89,15 @@ def _transfer_config() -> str:
                        "kv_connector_extra_config": {"backend": "memcache"}})
 
 
+def meta_role_args(local_conf: str | Path) -> list[str]:
+    """``kvtier meta``'s role on this node: a worker node of the cluster tier
+    (its local file sets ``kvtier.node_service_url``) runs ``--role local``,
+    the master node (and a node without the cluster tier) the meta service."""
+    from kvtier.pool.config import load_pool_config
+
+    return ["--role", "local"] if load_pool_config(None, str(local_conf), env={}).node_service_url else []
+
+
 class Serve:
     def __init__(self, model: str, instances: int, log_dir: Path, config_dir: str | None = None,
                  vllm_args: list[str] | None = None, host: str = "127.0.0.1", first_port: int = 0,
@@ -146,7 +155,8 @@ class Serve:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
-        self.meta = MetaProcess(meta_conf, local_conf, log_path=self.log_dir / "meta.log").start()
+        self.meta = MetaProcess(meta_conf, local_conf, log_path=self.log_dir / "meta.log",
+                                args=meta_role_args(local_conf)).start()
         self.out(f"meta service  {self.meta.address}   metrics {self.meta.metrics_url}/metrics")
         env = dict(os.environ)
         env.update(self.meta.env_for_clients())
