@@ -1,5 +1,10 @@
 """Two nodes' pools over one Mooncake master, as real processes from the seeds' files.
 
+As root, node 2 runs in a network namespace of its own, joined to node 1
+by a veth pair (10.211.x.1 and 10.211.x.2: two real addresses on a private
+link, nothing leaves the machine); elsewhere the nodes take 127.0.0.2 and
+127.0.0.3.
+
 Node 1 runs ``kvtier meta`` (its pool, and Mooncake's master as its child);
 node 2 runs ``kvtier meta --role local`` (its own pool at
 ``kvtier.node_service_url``, joining the master found at the host of its
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,34 +39,70 @@ from kvtier.tools.server import free_port, parse_metrics  # noqa: E402
 RANK_BYTES = 16 << 10
 
 
-def write_node_configs(folder: Path, master_node_port: int, master_port: int, node2: bool) -> tuple[Path, Path]:
+class Link:
+    """The two nodes' addresses, and what node 2's processes run under."""
+
+    def __init__(self) -> None:
+        self.ns = ""
+        self.node1, self.node2, self.prefix = "127.0.0.2", "127.0.0.3", []
+        if os.geteuid() != 0:
+            return
+        tag = f"{os.getpid() % 250 + 1}"
+        ns, a, b = f"kvt-n2-{tag}", f"kvt{tag}a", f"kvt{tag}b"
+        cmds = [["ip", "netns", "add", ns], ["ip", "link", "add", a, "type", "veth", "peer", "name", b],
+                ["ip", "link", "set", b, "netns", ns], ["ip", "addr", "add", f"10.211.{tag}.1/24", "dev", a],
+                ["ip", "link", "set", a, "up"],
+                ["ip", "netns", "exec", ns, "ip", "addr", "add", f"10.211.{tag}.2/24", "dev", b],
+                ["ip", "netns", "exec", ns, "ip", "link", "set", b, "up"],
+                ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+        try:
+            for cmd in cmds:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=10)
+                self.ns = ns
+        except (OSError, subprocess.SubprocessError):
+            self.close()
+            return
+        self.node1, self.node2, self.prefix = f"10.211.{tag}.1", f"10.211.{tag}.2", ["ip", "netns", "exec", ns]
+
+    def close(self) -> None:
+        if self.ns:
+            subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=10)
+            self.ns = ""
+
+
+def write_node_configs(folder: Path, link: Link, master_node_port: int, master_port: int,
+                       node2: bool) -> tuple[Path, Path]:
     shm = folder / "shm"
     shm.mkdir(parents=True, exist_ok=True)
+    here = link.node2 if node2 else link.node1
     meta = folder / "mmc-meta.conf"
-    meta.write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{master_node_port}\n"
-                    f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n"
+    meta.write_text(f"ock.mmc.meta_service_url = tcp://{link.node1}:{master_node_port}\n"
+                    f"ock.mmc.meta_service.metrics_url = http://{here}:{free_port()}\n"
                     "kvtier.cluster.enabled = true\n"
                     f"kvtier.cluster.master_port = {master_port}\n"
-                    f"kvtier.cluster.master_metrics_port = {free_port()}\n")
+                    f"kvtier.cluster.master_metrics_port = {master_port + 1}\n")
     local = folder / "mmc-local.conf"
-    local.write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{master_node_port}\n"
+    local.write_text(f"ock.mmc.meta_service_url = tcp://{link.node1}:{master_node_port}\n"
                      "ock.mmc.local_service.dram.size = 8MB\n"
                      "ock.mmc.local_service.world_size = 1\n"
                      f"kvtier.shm_dir = {shm}\n"
                      "kvtier.cluster.enabled = true\n"
                      f"kvtier.cluster.master_port = {master_port}\n"
+                     f"kvtier.cluster.master_metrics_port = {master_port + 1}\n"
+                     f"kvtier.cluster.local_hostname = {here}\n"
                      "kvtier.cluster.segment_size = 32MB\n"
-                     + (f"kvtier.node_service_url = tcp://127.0.0.1:{free_port()}\n" if node2 else ""))
+                     + (f"kvtier.node_service_url = tcp://{here}:{free_port()}\n"
+                        f"ock.mmc.meta_service.metrics_url = http://{here}:{free_port()}\n" if node2 else ""))
     return meta, local
 
 
 class Node:
-    def __init__(self, folder: Path, master_node_port: int, master_port: int, second: bool) -> None:
-        self.meta_conf, self.local_conf = write_node_configs(folder, master_node_port, master_port, second)
+    def __init__(self, folder: Path, link: Link, master_node_port: int, master_port: int, second: bool) -> None:
+        self.meta_conf, self.local_conf = write_node_configs(folder, link, master_node_port, master_port, second)
         # A worker node has only its local file: the meta file is the master node's.
         args = ["--role", "local"] if second else ["--cluster-log", str(folder / "master.log")]
         self.proc = MetaProcess(self.local_conf if second else self.meta_conf, self.local_conf,
-                                log_path=folder / "meta.log", args=args)
+                                log_path=folder / "meta.log", args=args, prefix=link.prefix if second else None)
 
     def client(self, name: str) -> PoolPlacement:
         return PoolPlacement(self.proc.address, ranks=1, rank_bytes=RANK_BYTES, name=name)
@@ -71,18 +113,41 @@ class Node:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
-    port, master_port = free_port(), free_port()
-    n1 = Node(tmp_path_factory.mktemp("node1"), port, master_port, second=False)
-    n2 = Node(tmp_path_factory.mktemp("node2"), port, master_port, second=True)
-    n1.proc.start()
+    link = Link()
+    port, master_port = free_port(), free_port_pair()
+    n1 = Node(tmp_path_factory.mktemp("node1"), link, port, master_port, second=False)
+    n2 = Node(tmp_path_factory.mktemp("node2"), link, port, master_port, second=True)
     try:
-        n2.proc.start()
+        n1.proc.start()
         try:
-            yield n1, n2
+            n2.proc.start()
+            try:
+                yield n1, n2
+            finally:
+                n2.proc.stop()
         finally:
-            n2.proc.stop()
+            n1.proc.stop()
     finally:
-        n1.proc.stop()
+        link.close()
+
+
+def free_port_pair() -> int:
+    """A free port whose next port is free too (the master's RPC and metrics ports)."""
+    while True:
+        p = free_port()
+        if p < 65535 and port_free(p + 1):
+            return p
+
+
+def port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def save(c: PoolPlacement, ks: list[bytes], step: int, fill: int) -> None:

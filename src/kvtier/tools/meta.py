@@ -25,13 +25,15 @@ from kvtier.tools.server import ServerError, log_tail, stop_group
 class MetaProcess:
     def __init__(self, meta_config: str | Path, local_config: str | Path | None = None,
                  log_path: str | Path | None = None, startup_timeout_s: float = 60.0,
-                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, args: list[str] | None = None,
+                 prefix: list[str] | None = None) -> None:
         self.meta_config = str(meta_config)
         self.local_config = str(local_config or meta_config)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="kvtier-meta-", suffix=".log")[1])
         self.startup_timeout_s = startup_timeout_s
         self.env = env or {}
         self.args = list(args or [])  # more arguments of ``kvtier meta`` (``--role local``)
+        self.prefix = list(prefix or [])  # what the command runs under (``ip netns exec NODE``)
         self.proc: subprocess.Popen | None = None
         self.address = ""
         self.metrics_url = ""
@@ -46,7 +48,8 @@ class MetaProcess:
         env.update(self.env_for_clients())
         env.update(self.env)
         self._log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.meta", "--ready-file", str(ready), *self.args],
+        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "kvtier.meta", "--ready-file", str(ready),
+                                      *self.args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
