@@ -155,7 +155,7 @@ def main() -> int:
             got = raw.batch_get_into_multi_buffers(names, ptrs, [[HEADER_BYTES, tier.slot_stride]] * n)
             assert all(x == value for x in got)
 
-        t_kv_get, t_mc_get = best_of(args.repeat, kv_get, mc_get)
+        t_mc_get, t_kv_get = best_of(args.repeat, mc_get, kv_get)
 
         # Puts: this node's own blocks (sealed as a worker would), new names each round.
         for s in slots:

@@ -74,13 +74,7 @@ assert _HEADER.itemsize == 128
 
 
 HEADER_BYTES = _HEADER.itemsize
-
-
-def parse_header(raw: bytes | memoryview) -> SlotHeader:
-    """A slot header as :meth:`DramTier.header` reads it, from ``HEADER_BYTES``
-    bytes copied out of an arena (a value of the cluster tier carries one)."""
-    h = np.frombuffer(raw, dtype=_HEADER, count=1)[0]
-    return SlotHeader(bytes(h["key"]), _mask(h), tuple(int(c) for c in h["checksum"]))
+HEADER_DTYPE = _HEADER  # a slot header as numpy reads a run of them (cluster values carry one each)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -439,6 +433,13 @@ class DramTier:
         h["key"] = np.void(key)
         for rank in range(MAX_RANKS):
             h["ready"][rank] = (ready_mask >> rank) & 1
+
+    def restore_header(self, slot: int, raw: bytes | memoryview) -> None:
+        """Write a whole header copied out of an arena (``HEADER_BYTES``, its
+        block verified against it by the caller), unpublished (index owner)."""
+        view = self._headers[slot : slot + 1].view(np.uint8)
+        view[:] = np.frombuffer(raw, dtype=np.uint8, count=HEADER_BYTES)
+        self._headers[slot]["published"] = 0
 
     def clear(self, slot: int, key: bytes = bytes(16)) -> None:
         """Mark ``slot`` as holding nothing readable (index owner only)."""
