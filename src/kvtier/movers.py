@@ -320,6 +320,7 @@ CLUSTER_BATCH = 32  # blocks per cluster put or get call
 CLUSTER_THREADS = 2  # transfers in flight at once
 CLUSTER_RETRY_FIRST_S = 0.2
 CLUSTER_RETRY_MAX_S = 5.0
+CLUSTER_HEALTH_MISSES = 3  # failed health checks in a row that mark a reachable cluster down
 
 
 class RemoteTier(Protocol):
@@ -416,6 +417,7 @@ class ClusterMover(_Jobs):
 
     def _health_loop(self) -> None:
         wait = CLUSTER_RETRY_FIRST_S
+        missed = 0  # failed checks in a row while up
         while not self._closed.is_set():
             ok = False
             try:
@@ -426,11 +428,17 @@ class ClusterMover(_Jobs):
                 log.debug("kvtier cluster: not reachable yet: %s", err)
             except Exception:  # noqa: BLE001 - the health thread must outlive any one failure
                 log.exception("kvtier cluster: health check failed")
+            missed = 0 if ok else missed + 1
             if ok:
                 if not self._up:
                     log.info("kvtier cluster: reachable; lookups and publishing on")
                 self._up = True
                 wait = CLUSTER_RETRY_FIRST_S
+                period = 1.0
+            elif self._up and missed < CLUSTER_HEALTH_MISSES:
+                # One missed check on a loaded machine is not an outage (the
+                # e2e test lost a hit to it); a call that fails still marks
+                # the cluster down at once.
                 period = 1.0
             else:
                 if self._up:

@@ -59,7 +59,8 @@ def write_configs(folder: Path, meta_port: int, master_port: int, master_metrics
                      f"kvtier.cluster.master_metrics_port = {master_metrics}\n"
                      f"kvtier.cluster.local_hostname = {node}\n"
                      "kvtier.cluster.segment_size = 64MB\n"
-                     + (f"kvtier.node_service_url = tcp://{node}:{free_port()}\n" if second else ""))
+                     + (f"kvtier.node_service_url = tcp://{node}:{free_port()}\n"
+                        f"ock.mmc.meta_service.metrics_url = http://{node}:{free_port()}\n" if second else ""))
     return meta, local
 
 
