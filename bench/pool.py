@@ -418,6 +418,24 @@ def print_scale(res: dict) -> None:
 # --- ttft (vLLM) -------------------------------------------------------------------
 
 
+def cpu_by_process(pids: list[int]) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) used so far, by process name
+    (/proc/<pid>/comm: vLLM's API server, engine core and worker, the meta
+    service): where the work went, whatever else the machine was doing."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def run_ttft(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
@@ -442,9 +460,12 @@ def run_ttft(args: argparse.Namespace) -> dict:
             raise RuntimeError(r.error)
         return r.ttft_s
 
-    def no_hits(client: httpx.Client, a: VllmServer, b: VllmServer, seed0: int) -> dict:
+    def no_hits(client: httpx.Client, a: VllmServer, b: VllmServer, seed0: int, extra_pids: list[int]) -> dict:
         """Distinct prompts, none repeated: TTFT one at a time (A and B in
-        turn), then throughput of concurrent 2k-token prompts split over both."""
+        turn), then throughput of concurrent 2k-token prompts split over both.
+        Also the CPU seconds every process of the configuration used for it."""
+        pids = a.pids() + b.pids() + extra_pids
+        cpu0 = cpu_by_process(pids)
         ttfts = [ttft(client, (a, b)[i % 2], prompt(seed0 + i, args.prompt_tokens))
                  for i in range(args.rounds)]
         prompts = [prompt(seed0 + 1000 + i, 2048) for i in range(args.concurrency)]
@@ -456,7 +477,10 @@ def run_ttft(args: argparse.Namespace) -> dict:
         if not all(r.ok for r in rs):
             raise RuntimeError([r.error for r in rs if not r.ok])
         tokens = sum(r.prompt_tokens + r.completion_tokens for r in rs)
-        return {"ttft_s": statistics.median(ttfts), "ttfts": ttfts, "tokens_per_s": tokens / wall}
+        cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_by_process(pids).items()}
+        all_tokens = tokens + args.rounds * (args.prompt_tokens + 4)
+        return {"ttft_s": statistics.median(ttfts), "ttfts": ttfts, "tokens_per_s": tokens / wall,
+                "cpu_s": cpu, "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / all_tokens}
 
     def server(name: str, kvtier: dict | None, env: dict | None = None) -> VllmServer:
         return VllmServer(ServerOptions(kvtier=kvtier, env=env or {}, **common),
@@ -469,7 +493,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
         with server("plain-a", None) as a, server("plain-b", None) as b:
             for s in (a, b):
                 ttft(client, s, prompt(999, 256))  # the first request pays one-time set-up
-            out["plain"] = no_hits(client, a, b, seed0=10_000)
+            out["plain"] = no_hits(client, a, b, seed0=10_000, extra_pids=[])
 
         # 2. The embedded backend, one instance: its DRAM hit is the peer of the pool's.
         with server("embedded", {"dram_size": args.dram_size}) as e:
@@ -500,7 +524,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
                     a.reset_prefix_cache()
                     same.append(ttft(client, a, p))  # A's own blocks, back from the pool
                 after = b.metrics()
-                out["pool"] = no_hits(client, a, b, seed0=40_000)
+                out["pool"] = no_hits(client, a, b, seed0=40_000, extra_pids=[meta.proc.pid])
                 out["pool"].update(cold_s=cold, device_s=device, cross_s=cross, same_s=same)
                 got = {k: after.get(k, 0.0) - before.get(k, 0.0)
                        for k in ("vllm:external_prefix_cache_hits_total", "kvtier_blocks_loaded_total",
@@ -535,6 +559,14 @@ def print_ttft(res: dict) -> None:
     print(f"| throughput, 0 % hits, two instances on the pool | {pool['tokens_per_s']:.0f} tok/s | "
           "vLLM alone "
           f"{plain['tokens_per_s']:.0f} tok/s | {tput_ratio:.3f}x | within {GOAL_NO_HIT:.0%} |")
+    cpu_ratio = pool["cpu_ms_per_1k_tokens"] / plain["cpu_ms_per_1k_tokens"]
+    print(f"| CPU per 1k tokens, 0 % hits, all processes | {pool['cpu_ms_per_1k_tokens']:.0f} ms | vLLM alone "
+          f"{plain['cpu_ms_per_1k_tokens']:.0f} ms | {cpu_ratio:.3f}x | |")
+    print("\nCPU seconds of the 0 % hits phase by process (both instances together):\n")
+    print("| process | vLLM alone | on the pool |")
+    print("|---|---|---|")
+    for name in sorted(set(plain["cpu_s"]) | set(pool["cpu_s"])):
+        print(f"| {name} | {plain['cpu_s'].get(name, 0.0):.1f} | {pool['cpu_s'].get(name, 0.0):.1f} |")
     c = pool["b_counters"]
     print(f"\nInstance B: {c['vllm:external_prefix_cache_hits_total']:.0f} tokens hit in the pool (expected "
           f"{pool['b_expected_hit_tokens']}), {c['kvtier_blocks_loaded_total']:.0f} blocks loaded, "

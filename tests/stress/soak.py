@@ -48,6 +48,23 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
+def memory_by_process(pids: list[int]) -> dict[str, dict[str, int]]:
+    """Per process (by its name in /proc/<pid>/comm, e.g. vLLM's worker):
+    anonymous, shared-memory and file-backed resident MiB. Growth that is
+    anonymous is the heap; shared memory is the arena and vLLM's queues."""
+    out: dict[str, dict[str, int]] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith("Rss"))
+        except OSError:
+            continue
+        out[f"{name}:{pid}"] = {k[3:].lower(): int(v.split()[0]) >> 10 for k, v in fields.items()}
+    return out
+
+
 def open_files(pids: list[int]) -> int:
     n = 0
     for pid in pids:
@@ -67,7 +84,7 @@ def shm_files(pids: list[int]) -> int:
 
 
 def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: str, model: str = "",
-         kvtier: bool = True) -> dict:
+         kvtier: bool = True, env: dict[str, str] | None = None, overrides: dict[str, str] | None = None) -> dict:
     from kvtier.tools.model import build_model
     from kvtier.tools.server import VllmServer
     from tests.e2e.conftest import server_options
@@ -76,9 +93,11 @@ def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: 
     work.mkdir(parents=True, exist_ok=True)
     model = model or str(build_model("tiny", cache_dir=os.environ.get("KVTIER_MODEL_CACHE")))
     ssd = work / "ssd.img"
-    cfg = {"dram_size": "16MB", "ssd_path": str(ssd), "ssd_size": "64MB", "force_new_disk": True}
+    cfg = {"dram_size": "16MB", "ssd_path": str(ssd), "ssd_size": "64MB", "force_new_disk": True,
+           **(overrides or {})}
     # kvtier=False: the same load on vLLM alone, the peer for memory growth.
     opts = server_options(model, cfg if kvtier else None, num_gpu_blocks=128, max_num_seqs=streams)
+    opts.env = {**opts.env, **(env or {})}
     rng = random.Random(0)
     prefixes = [[rng.randrange(16, 900) for _ in range(BLOCK * 8)] for _ in range(300)]
     done: list[float] = []
@@ -126,7 +145,7 @@ def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: 
             samples.append({"t_s": round(now - t0), "requests": finished,
                             "req_per_s": round(finished / (now - last), 2),
                             "rss_mib": round(rss_bytes(pids) / (1 << 20)), "open_files": open_files(pids),
-                            "shm_files": shm_files(pids),
+                            "shm_files": shm_files(pids), "by_process": memory_by_process(pids),
                             "dram_evictions": int(m.get("kvtier_evictions_total", 0)),
                             "ssd_evictions": int(m.get("kvtier_ssd_evictions_total", 0)),
                             "disk_hit_tokens": int(m.get(
@@ -184,8 +203,15 @@ def main() -> int:
     ap.add_argument("--workdir", default="")
     ap.add_argument("--vllm-alone", action="store_true",
                     help="the same load without kvtier: the peer whose memory growth kvtier's is read against")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in the server's environment (e.g. MALLOC_ARENA_MAX=2); repeatable")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kvtier connector key for this run (e.g. dram_size=32MB); repeatable")
     args = ap.parse_args()
-    s = soak(args.streams, args.minutes, args.interval, args.warmup, args.workdir, kvtier=not args.vllm_alone)
+    env = dict(kv.split("=", 1) for kv in args.env)
+    overrides = dict(kv.split("=", 1) for kv in args.set)
+    s = soak(args.streams, args.minutes, args.interval, args.warmup, args.workdir, kvtier=not args.vllm_alone,
+             env=env, overrides=overrides)
     s["kvtier"] = not args.vllm_alone
     problems = verdict(s)
     s["verdict"] = problems or "pass"
