@@ -20,7 +20,7 @@ def test_compare_runs_each_configuration_and_stops_its_servers(tiny_model: str, 
     assert cli_main(["dataset", "longdoc", "--output", str(raw), "--count", "4", "--min-words", "100",
                      "--tokenizer", tiny_model, "--max-tokens", "800"]) == 0
     assert cli_main(["dataset", "convert", "--input", str(raw), "--output", str(qa), "--min-length", "100",
-                     "--max-length", "100000", "--repeat", "2"]) == 0  # D1..D4 then D4..D1
+                     "--max-length", "100000", "--repeat", "2", "--output-format", "qa"]) == 0  # D1..D4 then D4..D1
     # Device cache of 40 blocks (2,560 tokens) for 4 documents of 800 tokens;
     # the SSD configuration's DRAM tier holds 32 blocks, so D1's blocks go to SSD.
     rc = cli_main(["bench", "compare", "--model-dir", tiny_model, "--configs", "vllm,ssd", "--dataset", str(qa),
