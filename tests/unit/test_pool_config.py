@@ -658,9 +658,19 @@ def test_worker_node_finds_the_master_through_its_local_file(tmp_path: Path) -> 
     assert c.publish_on is PublishOn.SAVE and c.metadata_server == "P2PHANDSHAKE"
 
 
+def test_etcd_endpoints_are_written_as_mooncake_takes_them(tmp_path: Path) -> None:
+    cfg = load_local(tmp_path, "kvtier.cluster.enabled = true\n"
+                     "kvtier.cluster.etcd_endpoints = http://10.0.0.1:2379, 10.0.0.2:2379;\n")
+    c = cfg.cluster_config()
+    assert c is not None and c.etcd_endpoints == "10.0.0.1:2379;10.0.0.2:2379"
+
+
 @pytest.mark.parametrize("line", ["kvtier.cluster.protocol = udp", "kvtier.cluster.replicas = 0",
                                   "kvtier.cluster.local_hostname = xx.xx.xx.xx",
-                                  "kvtier.cluster.etcd_endpoints = 10.0.0.1", "kvtier.cluster.publish = never"])
+                                  "kvtier.cluster.etcd_endpoints = 10.0.0.1",
+                                  "kvtier.cluster.etcd_endpoints = ;",
+                                  "kvtier.cluster.etcd_endpoints = https://10.0.0.1:2379",
+                                  "kvtier.cluster.publish = never"])
 def test_bad_cluster_values_name_the_key(tmp_path: Path, line: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_local(tmp_path, f"kvtier.cluster.enabled = true\n{line}\n")

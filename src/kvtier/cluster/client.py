@@ -33,6 +33,15 @@ name keeps pools of other slot shapes apart before a byte moves.
 
 Thread safety: Mooncake's client is called from several threads; the
 staging buffer of headers is split per call under a lock.
+
+Highly available master (``kvtier.cluster.etcd_endpoints``): the client is
+set up with ``etcd://HOST:PORT;...`` (:func:`master_entry`) and Mooncake
+follows the leader etcd names; after a takeover its calls fail until it has
+switched and re-mounted its segment (about 10 s in the tests), which the
+store's health checks see as the cluster down, then up. Before setup,
+:meth:`connect` reads the leader from etcd and requires its port to take
+connections. Mooncake's close (and its destructor at exit) then waits for
+its leader-watch thread, up to 30 s, holding the GIL.
 """
 
 from __future__ import annotations
@@ -45,8 +54,9 @@ import os
 import threading
 from collections.abc import Sequence
 
+from kvtier.cluster import etcd
 from kvtier.config import ClusterConfig
-from kvtier.errors import ClusterError
+from kvtier.errors import ClusterError, ConfigError
 import numpy as np
 
 from kvtier.tier.dram import HEADER_BYTES, HEADER_DTYPE, DramTier, checksum
@@ -78,6 +88,31 @@ def master_ready(cfg: ClusterConfig, timeout_s: float = 1.0) -> bool:
             return b"service_ready=true" in r.read(1 << 16)
     except OSError:
         return False
+
+
+def master_entry(cfg: ClusterConfig) -> str:
+    """What Mooncake's client is set up with: the master's address, or with
+    etcd configured ``etcd://HOST:PORT;...``, from which it finds the leader
+    and follows it when a standby takes over."""
+    return etcd.entry(cfg.etcd_endpoints) if cfg.etcd_endpoints else cfg.master_address
+
+
+def _ha_leader(cfg: ClusterConfig) -> str:
+    """The leader's ``HOST:PORT`` when it takes connections, else ClusterError."""
+    from kvtier.cluster.master import port_open
+
+    try:
+        where = etcd.leader(cfg.etcd_endpoints)
+    except ConfigError as err:
+        raise ClusterError(str(err)) from None
+    if where is None:
+        raise ClusterError(f"no Mooncake master leads yet (etcd at {cfg.etcd_endpoints}: an election under "
+                           "way, or no master started)")
+    host, _, port = where.rpartition(":")
+    if not port.isdigit() or not port_open(host.strip("[]"), int(port), timeout_s=0.5):
+        raise ClusterError(f"the leading Mooncake master at {where} (named by etcd) does not take "
+                           "connections")
+    return where
 
 
 class MooncakeTier:
@@ -116,18 +151,24 @@ class MooncakeTier:
         # Mooncake's setup() holds the GIL while it waits on the master: a
         # master that accepts connections and never answers froze the whole
         # meta service (test_cluster.py::test_stalled_lookup...). Its HTTP
-        # side must say it serves first, within a bounded wait.
-        if not master_ready(cfg):
+        # side must say it serves first, within a bounded wait. Highly
+        # available (etcd): the leader etcd names must take connections.
+        entry = master_entry(cfg)
+        if cfg.etcd_endpoints:
+            where = _ha_leader(cfg)
+        elif not master_ready(cfg):
             raise ClusterError(f"the master at {cfg.master_host}:{cfg.master_metrics_port} (metrics) does not say "
                                "it serves")
+        else:
+            where = cfg.master_address
         store = MooncakeDistributedStore()
         # local_buffer_size 0: every transfer is zero copy from or into the
         # registered arena, so Mooncake needs no buffer of its own.
         rc = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, 0, cfg.protocol,
-                         cfg.rdma_devices, cfg.master_address)
+                         cfg.rdma_devices, entry)
         if rc != 0:
             store.close()
-            raise ClusterError(f"Mooncake setup against the master at {cfg.master_address} failed ({rc})")
+            raise ClusterError(f"Mooncake setup against the master at {entry} failed ({rc})")
         addr, size = self.tier.mapped_range
         staging = mmap.mmap(-1, STAGING_HEADERS * HEADER_BYTES)
         staging_addr = ctypes.addressof(ctypes.c_char.from_buffer(staging))
@@ -141,12 +182,16 @@ class MooncakeTier:
         self._replicate = rep
         self._staging, self._staging_addr = staging, staging_addr
         self._store = store
-        log.info("kvtier cluster: joined the Mooncake master at %s as %s (lends %d MiB, %s)", cfg.master_address,
+        log.info("kvtier cluster: joined the Mooncake master at %s as %s (lends %d MiB, %s)",
+                 where if where == entry else f"{where} (leader, followed through {entry})",
                  cfg.local_hostname, cfg.segment_bytes >> 20, cfg.protocol)
 
     def close(self) -> None:
         store, self._store = self._store, None
         if store is not None:
+            if self.cfg.etcd_endpoints:
+                log.info("kvtier cluster: closing the Mooncake client (with etcd this waits for Mooncake's "
+                         "leader watch, up to 30 s)")
             try:
                 store.close()
             except Exception:  # noqa: BLE001 - closing a client of a dead master must not raise

@@ -20,11 +20,20 @@ service killed with -9 leaves no master behind holding the port. A master
 restarted this way starts empty (Mooncake's index is in its memory): blocks
 are found again once nodes publish them again; peers' clients re-mount
 their segments on their own.
+
+With ``kvtier.cluster.etcd_endpoints`` set the master runs highly available
+(:mod:`kvtier.cluster.etcd`): :meth:`start` first refuses endpoints where no
+etcd answers (ConfigError naming the key), then starts the master with
+``-enable_ha``; it counts as up once its HTTP side answers, as leader or as
+standby (a standby opens its RPC port only when elected). Two ``kvtier
+meta`` with the same endpoints, each with its own ``master_port``, are a
+leader and a standby; :meth:`role` says which this one is now.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -36,6 +45,7 @@ import threading
 import time
 from pathlib import Path
 
+from kvtier.cluster import etcd
 from kvtier.config import ClusterConfig
 from kvtier.errors import ConfigError
 
@@ -58,6 +68,15 @@ def master_program() -> str:
                       "mooncake_master not found: install the cluster extra, pip install 'kvtier[cluster]'")
 
 
+def preflight(cfg: ClusterConfig) -> None:
+    """What ``kvtier meta`` checks before it starts anything, on every node:
+    the extra is installed, and etcd answers when configured (ConfigError
+    naming the key, one line)."""
+    master_program()
+    if cfg.etcd_endpoints:
+        etcd.require(cfg.etcd_endpoints)
+
+
 def master_command(cfg: ClusterConfig, program: str | None = None) -> list[str]:
     """The master's command line for ``cfg`` (loopback unless configured)."""
     cmd = [program or master_program(),
@@ -66,8 +85,29 @@ def master_command(cfg: ClusterConfig, program: str | None = None) -> list[str]:
            "-enable_metric_reporting=false",
            f"-eviction_high_watermark_ratio={cfg.eviction_high_watermark}"]
     if cfg.etcd_endpoints:
-        cmd += ["-enable_ha=true", f"-etcd_endpoints={cfg.etcd_endpoints}"]
+        # -rpc_address above is the address the leader publishes in etcd:
+        # the master node's, reachable by every node. The cluster id names
+        # the leader's key; Mooncake's clients read MC_STORE_CLUSTER_ID,
+        # the master only its flag.
+        cmd += ["-enable_ha=true", "-ha_backend_type=etcd",
+                f"-etcd_endpoints={';'.join(etcd.endpoints(cfg.etcd_endpoints))}",
+                f"-cluster_id={etcd.cluster_id()}"]
     return cmd
+
+
+def master_role(cfg: ClusterConfig, timeout_s: float = 0.5) -> str | None:
+    """What the master at ``cfg``'s metrics port says it is (``leader``,
+    ``standby``, ...), from its ``/health``; None when it does not answer."""
+    import urllib.request
+
+    host = f"[{cfg.master_host}]" if ":" in cfg.master_host else cfg.master_host
+    try:
+        url = f"http://{host}:{cfg.master_metrics_port}/health"
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            body = json.loads(r.read(1 << 16))
+    except (OSError, ValueError):
+        return None
+    return str(body.get("role") or "") if isinstance(body, dict) else None
 
 
 def _die_with_parent() -> None:
@@ -107,19 +147,47 @@ class MasterSupervisor:
     def running(self) -> bool:
         return self.pid is not None
 
+    @property
+    def ha(self) -> bool:
+        """Whether this master is one of a highly available set (etcd configured)."""
+        return bool(self.cfg.etcd_endpoints)
+
+    def role(self) -> str | None:
+        """``leader``, ``standby`` (or another of Mooncake's states) while
+        running; None when it does not answer."""
+        return master_role(self.cfg) if self.running else None
+
     def start(self) -> None:
-        """Start the master and wait until its port answers; ClusterError-like
-        ConfigError when the port is taken or the master does not come up."""
+        """Start the master and wait until its port answers (in HA mode: its
+        HTTP side, as leader or standby); ConfigError when etcd does not
+        answer, the port is taken or the master does not come up."""
+        if self.ha:
+            etcd.require(self.cfg.etcd_endpoints)
         if port_open(self.cfg.master_host, self.cfg.master_port):
             raise ConfigError("kvtier.cluster.master_port", self.cfg.master_port,
                               f"something already listens on {self.cfg.master_address}")
+        if self.ha and port_open(self.cfg.master_host, self.cfg.master_metrics_port):
+            # In HA mode that port is how start() knows the master is up.
+            raise ConfigError("kvtier.cluster.master_metrics_port", self.cfg.master_metrics_port,
+                              f"something already listens on {self.cfg.master_host}:"
+                              f"{self.cfg.master_metrics_port}")
         self._spawn()
         if not self._wait_up(self.startup_timeout_s):
             self.stop()
-            raise ConfigError("kvtier.cluster.master_port", self.cfg.master_port,
-                              f"mooncake_master did not listen on {self.cfg.master_address} within "
+            if self.ha:  # its HTTP side is what answers first (a standby's RPC port stays closed)
+                key, port = "kvtier.cluster.master_metrics_port", self.cfg.master_metrics_port
+                where = f"{self.cfg.master_host}:{port}"
+            else:
+                key, port, where = "kvtier.cluster.master_port", self.cfg.master_port, self.cfg.master_address
+            raise ConfigError(key, port,
+                              f"mooncake_master did not listen on {where} within "
                               f"{self.startup_timeout_s:.0f} s (log: {self.log_path or 'stderr'})")
-        log.info("kvtier cluster: Mooncake master (pid %d) at %s", self.pid, self.cfg.master_address)
+        if self.ha:
+            log.info("kvtier cluster: Mooncake master (pid %d) at %s, highly available through etcd at %s "
+                     "(%s; it serves while it holds the lease there)", self.pid, self.cfg.master_address,
+                     self.cfg.etcd_endpoints, self.role() or "starting")
+        else:
+            log.info("kvtier cluster: Mooncake master (pid %d) at %s", self.pid, self.cfg.master_address)
         self._thread = threading.Thread(target=self._watch, name="kvtier-cluster-master", daemon=True)
         self._thread.start()
 
@@ -138,7 +206,10 @@ class MasterSupervisor:
             p = self._proc
             if p is None or p.poll() is not None:
                 return False
-            if port_open(self.cfg.master_host, self.cfg.master_port):
+            if self.ha:
+                if master_role(self.cfg, timeout_s=0.2):
+                    return True
+            elif port_open(self.cfg.master_host, self.cfg.master_port):
                 return True
             time.sleep(0.05)
         return False
@@ -169,7 +240,8 @@ class MasterSupervisor:
             if self._wait_up(self.startup_timeout_s):
                 self.restarts += 1
                 backoff = RESTART_FIRST_S
-                log.info("kvtier cluster: Mooncake master restarted (pid %s); it starts empty", self.pid)
+                log.info("kvtier cluster: Mooncake master restarted (pid %s); %s", self.pid,
+                         "it stands by until elected" if self.ha else "it starts empty")
             else:
                 backoff = min(backoff * 2, RESTART_MAX_S)
 

@@ -237,10 +237,20 @@ def _parse_host(key: str, value: object, source: str = "") -> str:
 
 
 def _parse_etcd(key: str, value: object, source: str = "") -> str:
-    text = str(value).strip()
-    for part in filter(None, text.split(";")):
-        _host_port(key, value, part.removeprefix("http://"), "HOST:PORT;HOST:PORT", source, allow_zero=False)
-    return text
+    """``HOST:PORT;HOST:PORT`` (``,`` also separates; ``http://`` allowed),
+    returned as ``HOST:PORT;HOST:PORT``: Mooncake's masters and clients take it so."""
+    parts = [p.strip() for p in str(value).replace(",", ";").split(";") if p.strip()]
+    if not parts and str(value).strip():
+        raise ConfigError(key, value, "expected HOST:PORT;HOST:PORT", source)
+    out = []
+    for part in parts:
+        if part.startswith("https://"):
+            raise ConfigError(key, value, "etcd over TLS is not supported by Mooncake's client: http:// or "
+                              "HOST:PORT", source)
+        host, port = _host_port(key, value, part.removeprefix("http://"), "HOST:PORT;HOST:PORT", source,
+                                allow_zero=False)
+        out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return ";".join(out)
 
 
 def accept_any(key: str, value: object, source: str = "") -> object:

@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     master = None
     try:
         if cluster is not None:
-            from kvtier.cluster.master import MasterSupervisor, master_program
+            from kvtier.cluster.master import MasterSupervisor, preflight
 
-            master_program()  # the extra is installed, or one line saying so
+            preflight(cluster)  # the extra is installed, etcd answers if configured; else one line saying why
             if role == "meta":
                 master = MasterSupervisor(cluster, log_path=args.cluster_log or None)
                 master.start()

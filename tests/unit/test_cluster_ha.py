@@ -1,0 +1,223 @@
+"""A highly available cluster master with real parts: etcd (Debian's
+``etcd-server``) on free loopback ports with a data folder of its own, two
+``kvtier meta`` processes whose files set ``kvtier.cluster.etcd_endpoints``
+(each runs Mooncake's master in HA mode, on a port of its own: a leader and
+a standby), and a client process (cluster_ha_client.py) set up through etcd.
+The client puts and gets blocks; the leader's ``kvtier meta`` is killed with
+-9; puts and gets work again through the standby, now leader.
+
+etcd missing is a failure, not a skip (CI installs it: .ci/run). Needs the
+``kvtier[cluster]`` extra; skipped without it, as test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[cluster] extra")
+
+from kvtier.cluster import etcd  # noqa: E402
+from kvtier.cluster.master import MasterSupervisor, master_role  # noqa: E402
+from kvtier.config import ClusterConfig  # noqa: E402
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.tools.meta import MetaProcess  # noqa: E402
+from kvtier.tools.server import ServerError, free_port  # noqa: E402
+
+CLIENT = Path(__file__).with_name("cluster_ha_client.py")
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+class Etcd:
+    """One etcd member on loopback, its data in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        program = shutil.which("etcd")
+        if program is None:
+            pytest.fail("etcd is not on PATH: the highly available master needs it "
+                        "(apt-get install etcd-server; .ci/run installs it)")
+        client, peer = free_port(), free_port()
+        self.endpoint = f"127.0.0.1:{client}"
+        self.log = folder / "etcd.log"
+        self.proc = subprocess.Popen(
+            [program, "--name", "kvtier-test", "--data-dir", str(folder / "etcd-data"),
+             "--listen-client-urls", f"http://{self.endpoint}",
+             "--advertise-client-urls", f"http://{self.endpoint}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"kvtier-test=http://127.0.0.1:{peer}"],
+            stdin=subprocess.DEVNULL, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        try:
+            etcd.require(self.endpoint, timeout_s=20)
+        except ConfigError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[Etcd]:
+    e = Etcd(tmp_path)
+    yield e
+    e.close()
+
+
+class Node:
+    """A node's ``kvtier meta`` with the cluster tier on and etcd configured: its pool and a master."""
+
+    def __init__(self, folder: Path, etcd_endpoint: str) -> None:
+        folder.mkdir()
+        (folder / "shm").mkdir()
+        self.master_port, self.master_metrics_port = free_port(), free_port()
+        conf = folder / "mmc.conf"
+        conf.write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{free_port()}\n"
+                        f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n"
+                        "ock.mmc.local_service.dram.size = 8MB\n"
+                        "ock.mmc.local_service.world_size = 1\n"
+                        f"kvtier.shm_dir = {folder / 'shm'}\n"
+                        "kvtier.cluster.enabled = true\n"
+                        f"kvtier.cluster.master_port = {self.master_port}\n"
+                        f"kvtier.cluster.master_metrics_port = {self.master_metrics_port}\n"
+                        f"kvtier.cluster.etcd_endpoints = {etcd_endpoint}\n"
+                        "kvtier.cluster.segment_size = 32MB\n")
+        self.address = f"127.0.0.1:{self.master_port}"
+        self.proc = MetaProcess(conf, conf, log_path=folder / "meta.log",
+                                args=["--cluster-log", str(folder / "master.log")])
+
+    def role(self) -> str | None:
+        return master_role(ClusterConfig(master_port=self.master_port,
+                                         master_metrics_port=self.master_metrics_port))
+
+    def kill(self) -> None:
+        if self.proc.proc is not None and self.proc.proc.poll() is None:
+            self.proc.kill()  # the process group: kvtier meta and its mooncake_master
+
+
+class Client:
+    """cluster_ha_client.py: Mooncake's client following the leader through etcd."""
+
+    def __init__(self, etcd_endpoint: str, log: Path) -> None:
+        self.shm = f"/dev/shm/kvtier-test-ha-{uuid.uuid4().hex}"
+        cmd = [sys.executable, str(CLIENT), "--etcd", etcd_endpoint, "--shm", self.shm]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(log, "ab"), text=True)
+        got = self.read()
+        assert got == {"ready": True}, got
+
+    def read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "the client process exited"
+        return json.loads(line)
+
+    def do(self, **cmd: object) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def round_trip(self, seed: int, n: int) -> bool:
+        """Put n blocks, then get them: True when every put took and every get came back with its bytes."""
+        put = self.do(op="put", seed=seed, n=n)
+        if put.get("ok") != [True] * n:
+            return False
+        return self.do(op="get", seed=seed, n=n).get("got") == ["ok"] * n
+
+    def close(self) -> None:
+        # SIGKILL: Mooncake's client set up through etcd takes up to 30 s to close.
+        self.proc.kill()
+        self.proc.wait()
+        if os.path.exists(self.shm):
+            os.unlink(self.shm)
+
+
+def test_standby_master_takes_over_when_the_leader_is_killed(etcd_server: Etcd, tmp_path: Path) -> None:
+    nodes = [Node(tmp_path / "node1", etcd_server.endpoint), Node(tmp_path / "node2", etcd_server.endpoint)]
+    client = None
+    try:
+        for n in nodes:
+            n.proc.start()
+        # One leads (etcd names it), the other stands by with its RPC port closed.
+        wait_for(lambda: etcd.leader(etcd_server.endpoint) in {n.address for n in nodes}, 30,
+                 "a leader in etcd")
+        leader = next(n for n in nodes if n.address == etcd.leader(etcd_server.endpoint))
+        standby = next(n for n in nodes if n is not leader)
+        wait_for(lambda: leader.role() == "leader" and standby.role() == "standby", 30,
+                 "leader and standby roles")
+
+        client = Client(etcd_server.endpoint, tmp_path / "client.log")
+        assert client.round_trip(seed=1, n=4)
+
+        leader.kill()
+        # Gets and puts through the standby, once it has the lease and the
+        # client has followed it and mounted its segment there again.
+        seeds = iter(range(100, 10_000))
+        wait_for(lambda: client.round_trip(seed=next(seeds), n=4), 90, "puts and gets through the standby")
+        assert etcd.leader(etcd_server.endpoint) == standby.address
+        assert standby.role() == "leader"
+        # The new leader's index starts empty (no oplog): blocks put before
+        # the takeover are misses, never wrong bytes.
+        assert set(client.do(op="get", seed=1, n=4)["got"]) <= {"gone", "ok"}
+    finally:
+        if client is not None:
+            client.close()
+        for n in nodes:
+            n.kill()
+
+
+def test_unreachable_etcd_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """kvtier meta and the master refuse endpoints where no etcd answers, with one line naming the key."""
+    closed = f"127.0.0.1:{free_port()}"
+    cfg = ClusterConfig(master_port=free_port(), master_metrics_port=free_port(), etcd_endpoints=closed)
+    with pytest.raises(ConfigError, match="kvtier.cluster.etcd_endpoints") as err:
+        MasterSupervisor(cfg).start()
+    assert closed in str(err.value)
+
+    node = Node(tmp_path / "node", closed)
+    with pytest.raises(ServerError) as err:
+        node.proc.start()
+    assert "kvtier.cluster.etcd_endpoints" in str(err.value) and "no etcd answers" in str(err.value)
+
+
+def test_something_else_than_etcd_is_refused(tmp_path: Path) -> None:
+    """An HTTP server that is not etcd at the endpoint: refused, naming the key."""
+    import http.server
+    import threading
+
+    class Hello(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the base class's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError, match="kvtier.cluster.etcd_endpoints"):
+            etcd.require(f"127.0.0.1:{srv.server_address[1]}", timeout_s=0.5)
+    finally:
+        srv.shutdown()
+        srv.server_close()
