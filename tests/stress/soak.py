@@ -84,7 +84,8 @@ def shm_files(pids: list[int]) -> int:
 
 
 def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: str, model: str = "",
-         kvtier: bool = True, env: dict[str, str] | None = None, overrides: dict[str, str] | None = None) -> dict:
+         kvtier: bool = True, env: dict[str, str] | None = None, overrides: dict[str, str] | None = None,
+         num_gpu_blocks: int = 128) -> dict:
     from kvtier.tools.model import build_model
     from kvtier.tools.server import VllmServer
     from tests.e2e.conftest import server_options
@@ -96,7 +97,7 @@ def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: 
     cfg = {"dram_size": "16MB", "ssd_path": str(ssd), "ssd_size": "64MB", "force_new_disk": True,
            **(overrides or {})}
     # kvtier=False: the same load on vLLM alone, the peer for memory growth.
-    opts = server_options(model, cfg if kvtier else None, num_gpu_blocks=128, max_num_seqs=streams)
+    opts = server_options(model, cfg if kvtier else None, num_gpu_blocks=num_gpu_blocks, max_num_seqs=streams)
     opts.env = {**opts.env, **(env or {})}
     rng = random.Random(0)
     prefixes = [[rng.randrange(16, 900) for _ in range(BLOCK * 8)] for _ in range(300)]
@@ -207,11 +208,13 @@ def main() -> int:
                     help="set in the server's environment (e.g. MALLOC_ARENA_MAX=2); repeatable")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a kvtier connector key for this run (e.g. dram_size=32MB); repeatable")
+    ap.add_argument("--num-gpu-blocks", type=int, default=128,
+                    help="vLLM's device cache in blocks (128 keeps it far below the working set of 2,400)")
     args = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in args.env)
     overrides = dict(kv.split("=", 1) for kv in args.set)
     s = soak(args.streams, args.minutes, args.interval, args.warmup, args.workdir, kvtier=not args.vllm_alone,
-             env=env, overrides=overrides)
+             env=env, overrides=overrides, num_gpu_blocks=args.num_gpu_blocks)
     s["kvtier"] = not args.vllm_alone
     problems = verdict(s)
     s["verdict"] = problems or "pass"
