@@ -10,6 +10,9 @@ requests finished in the interval.
 
     .venv/bin/python -m tests.stress.soak --streams 32 --minutes 10
 
+The server runs with tcmalloc preloaded, as vLLM's CPU install guide sets
+it up (``--allocator glibc|jemalloc`` for the others).
+
 Verdict (after the warm-up, the first ``--warmup`` intervals): resident
 memory flat (the last sample within 5 % of the first), open files and
 shared-memory files constant, no interval without a finished request (no
@@ -195,12 +198,32 @@ def verdict(s: dict) -> list[str]:
     return problems
 
 
+ALLOCATORS = {"tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
+
+
+def preload_library(name: str) -> str:
+    """The path of allocator ``name``'s shared library (Debian's
+    libtcmalloc-minimal4 / libjemalloc2), or an error that says what to install."""
+    soname = ALLOCATORS[name]
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        path = os.path.join(folder, soname)
+        if os.path.exists(path):
+            return path
+    pkg = "libtcmalloc-minimal4" if name == "tcmalloc" else "libjemalloc2"
+    raise SystemExit(f"soak: --allocator {name}: {soname} not found; install it (apt-get install {pkg}) "
+                     "or pass --allocator glibc")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--interval", type=float, default=30.0, help="seconds between samples")
-    ap.add_argument("--warmup", type=int, default=2, help="intervals left out of the verdict")
+    # Four minutes: vLLM's CPU matmuls keep a oneDNN primitive per batch
+    # size (up to 32 per linear layer) and fill those caches as batch sizes
+    # vary; a heap profile puts 95 % of the growth before the plateau there
+    # (docs/reliability.md, "Where the growth is").
+    ap.add_argument("--warmup", type=int, default=8, help="intervals left out of the verdict")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--vllm-alone", action="store_true",
                     help="the same load without kvtier: the peer whose memory growth kvtier's is read against")
@@ -210,12 +233,19 @@ def main() -> int:
                     help="a kvtier connector key for this run (e.g. dram_size=32MB); repeatable")
     ap.add_argument("--num-gpu-blocks", type=int, default=128,
                     help="vLLM's device cache in blocks (128 keeps it far below the working set of 2,400)")
+    ap.add_argument("--allocator", choices=("tcmalloc", "glibc", "jemalloc"), default="tcmalloc",
+                    help="the server's malloc: tcmalloc (LD_PRELOAD, as vLLM's CPU install guide sets up and its "
+                         "worker asks for at start), glibc's own, or jemalloc")
     args = ap.parse_args()
     env = dict(kv.split("=", 1) for kv in args.env)
+    if args.allocator != "glibc":
+        lib = preload_library(args.allocator)
+        env["LD_PRELOAD"] = " ".join(x for x in (env.get("LD_PRELOAD", ""), lib) if x)
     overrides = dict(kv.split("=", 1) for kv in args.set)
     s = soak(args.streams, args.minutes, args.interval, args.warmup, args.workdir, kvtier=not args.vllm_alone,
              env=env, overrides=overrides, num_gpu_blocks=args.num_gpu_blocks)
     s["kvtier"] = not args.vllm_alone
+    s["allocator"] = args.allocator
     problems = verdict(s)
     s["verdict"] = problems or "pass"
     print(json.dumps({k: v for k, v in s.items() if k != "samples"}, indent=2))
