@@ -269,3 +269,19 @@ def test_unix_socket_is_owner_only(tmp_path: Path) -> None:
     finally:
         svc.stop()
     assert not path.exists()
+
+
+def test_counters_are_asked_of_the_service_once_per_interval(service: MetaService,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM reads the counters every engine step; an instance asks the service
+    # for them at most once per interval and serves the last values between.
+    import kvtier.pool.client as pool_client
+    monkeypatch.setattr(pool_client, "COUNTERS_EVERY_S", 3600.0)
+    c = client(service)
+    first = c.counters()
+    assert first["dram_slots_used"] == 0
+    save(c, keys(40, 3), step=1)
+    assert c.counters() == first  # within the interval: no call, the last values
+    monkeypatch.setattr(pool_client, "COUNTERS_EVERY_S", 0.0)
+    assert c.counters()["dram_slots_used"] == 3
+    c.shutdown()
