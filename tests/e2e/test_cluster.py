@@ -105,8 +105,11 @@ def nodes(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         for n in (n1, n2):
             n.meta.start()
             started.append(n)
-        for n in (n1, n2):
-            n.start_instance()
+        # The two vLLM instances start side by side (most of a start is
+        # single-threaded imports); each attaches to its own node's pool.
+        with ThreadPoolExecutor(2) as pool:
+            for fut in [pool.submit(n.start_instance) for n in (n1, n2)]:
+                fut.result()
         # A node's pool joins the cluster once its instance attached.
         wait_for(lambda: all(n.pool_metrics().get("kvtier_cluster_up") == 1 for n in (n1, n2)), 60,
                  "both nodes to join Mooncake's master")
@@ -170,10 +173,18 @@ def test_master_killed_requests_complete_then_hits_resume(nodes: tuple[Node, Nod
     # their own schedule: a new prompt from node 1 is a p2p hit on node 2 again.
     seeds = iter(range(200, 300))
 
+    published = 'kvtier_cluster_events_total{event="published"}'
+
     def resumed() -> bool:
         p = tokens(next(seeds), 8 * BLOCK + 1)
+        was = n1.pool_metrics().get(published, 0)
         ref = complete(a, p)["text"]
-        time.sleep(1.0)
+        # Node 1's puts of the prompt's 8 blocks end after the request: up
+        # to a second for them (puts that fail while its client re-joins
+        # are not counted; then the second runs out and node 2 misses).
+        deadline = time.monotonic() + 1.0
+        while n1.pool_metrics().get(published, 0) < was + 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
         before = b.metrics()
         got = complete(b, p)["text"]
         assert got == ref

@@ -9,6 +9,7 @@ Needs the ``kvtier[cluster]`` extra; skipped without it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,17 +45,19 @@ def wait_for(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def cluster_cfg() -> ClusterConfig:
+def own_master(test):
+    """The test stops or kills the master: it gets a master, a peer and a node
+    of its own instead of the module's (the others share one of each)."""
+    test.own_master = True
+    return test
+
+
+def _owns_master(request: pytest.FixtureRequest) -> bool:
+    return getattr(request.function, "own_master", False)
+
+
+def new_cluster_cfg() -> ClusterConfig:
     return ClusterConfig(master_port=free_port(), master_metrics_port=free_port(), segment_bytes=64 << 20)
-
-
-@pytest.fixture
-def master(cluster_cfg: ClusterConfig, tmp_path: Path) -> Iterator[MasterSupervisor]:
-    sup = MasterSupervisor(cluster_cfg, log_path=tmp_path / "master.log")
-    sup.start()
-    yield sup
-    sup.stop()
 
 
 class Peer:
@@ -80,9 +83,13 @@ class Peer:
         self.proc.stdin.flush()
         return self.read()
 
-    def close(self) -> None:
-        if self.proc.stdin is not None:
+    def begin_close(self) -> None:
+        """EOF on its stdin: it closes its store and exits (close() waits for that)."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
+
+    def close(self) -> None:
+        self.begin_close()
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -92,11 +99,76 @@ class Peer:
             os.unlink(self.shm)
 
 
-@pytest.fixture
-def peer(master: MasterSupervisor, cluster_cfg: ClusterConfig, tmp_path: Path) -> Iterator[Peer]:
-    p = Peer(cluster_cfg, tmp_path)
+# The master and the peer node are shared by the tests of this module (a
+# master and a peer process each cost seconds to start and to close); each
+# test uses keys of its own (its seeds) and a node of its own, so what it
+# asserts of its node's counters is its own. Tests that stop or kill the
+# master are marked @own_master and get their own.
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterConfig, MasterSupervisor]]:
+    cfg = new_cluster_cfg()
+    sup = MasterSupervisor(cfg, log_path=tmp_path_factory.mktemp("cluster") / "master.log")
+    sup.start()
+    yield cfg, sup
+    sup.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_peer(shared_cluster: tuple[ClusterConfig, MasterSupervisor],
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peer]:
+    p = Peer(shared_cluster[0], tmp_path_factory.mktemp("peer"))
     yield p
     p.close()
+
+
+@pytest.fixture
+def teardown_last() -> Iterator[contextlib.ExitStack]:
+    """Callbacks run after the test's node, peer and master are torn down,
+    the last registered first: a master a test starts in place of the one
+    it stopped is stopped there, after the node and the peer closed (a
+    Mooncake client that closes with no master waits out its RPC timeouts,
+    seconds each)."""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture
+def cluster_cfg(request: pytest.FixtureRequest) -> ClusterConfig:
+    if _owns_master(request):
+        return new_cluster_cfg()
+    return request.getfixturevalue("shared_cluster")[0]
+
+
+@pytest.fixture
+def master(request: pytest.FixtureRequest, cluster_cfg: ClusterConfig, teardown_last: contextlib.ExitStack,
+           tmp_path: Path) -> Iterator[MasterSupervisor]:
+    if not _owns_master(request):
+        sup = request.getfixturevalue("shared_cluster")[1]
+        restarts = sup.restarts
+        yield sup
+        assert sup.running and sup.restarts == restarts, \
+            "the test stopped or killed the module's master: mark it @own_master"
+        return
+    sup = MasterSupervisor(cluster_cfg, log_path=tmp_path / "master.log")
+    sup.start()
+    yield sup
+    sup.stop()
+
+
+@pytest.fixture
+def peer(request: pytest.FixtureRequest, master: MasterSupervisor, cluster_cfg: ClusterConfig,
+         teardown_last: contextlib.ExitStack, tmp_path: Path) -> Iterator[Peer]:
+    if not _owns_master(request):
+        yield request.getfixturevalue("shared_peer")
+        return
+    p = Peer(cluster_cfg, tmp_path)
+    yield p
+    # Its Mooncake client closes (a second or two) while this process's node closes.
+    p.begin_close()
+    teardown_last.callback(p.close)
 
 
 @pytest.fixture
@@ -109,6 +181,19 @@ def node(make_tier, cluster_cfg: ClusterConfig, master: MasterSupervisor) -> Ite
     store.close()
 
 
+def checked_now(store: TieredStore, cond: Callable[[], bool]) -> Callable[[], bool]:
+    """``cond`` for wait_for, each call first waking the store's cluster
+    health thread so that it checks now, not at its next period (1 s while
+    up, so three missed checks before "down"; 0.2 s doubling to 5 s while
+    down): the same checks decide up and down, sooner."""
+
+    def check() -> bool:
+        store.cluster._wake.set()
+        return cond()
+
+    return check
+
+
 def fetch(store: TieredStore, keys: list[bytes]) -> int:
     """Probe and promote as the scheduler does; the number of keys READY afterwards."""
     p = store.probe(keys)
@@ -117,6 +202,7 @@ def fetch(store: TieredStore, keys: list[bytes]) -> int:
     return store.probe(keys).ready
 
 
+@own_master
 def test_master_is_supervised_and_restarted_after_kill(master: MasterSupervisor, cluster_cfg: ClusterConfig) -> None:
     pid = master.pid
     assert pid is not None and port_open(cluster_cfg.master_host, cluster_cfg.master_port)
@@ -136,8 +222,10 @@ def test_master_refuses_a_port_in_use(master: MasterSupervisor, cluster_cfg: Clu
 
 
 def test_block_from_another_node_is_fetched_verified_and_counted(node: TieredStore, peer: Peer) -> None:
+    # The peer is the module's: its counters hold the earlier tests' saves.
+    before = peer.do(op="counters")["counters"]["cluster_published"]
     got = peer.do(op="save", seed=1, n=6)
-    assert got["counters"]["cluster_published"] == 6
+    assert got["counters"]["cluster_published"] - before == 6
     keys = [bytes.fromhex(k) for k in got["keys"]]
     p = node.probe(keys)
     assert (p.ready, p.total, p.remote) == (0, 6, 6)
@@ -198,11 +286,13 @@ def test_value_gone_between_lookup_and_fetch_is_counted(node: TieredStore, peer:
     assert c["cluster_gone"] == 1 and c["cluster_fetched"] == 1
 
 
+@own_master
 def test_master_down_is_a_fast_miss_and_service_resumes(node: TieredStore, peer: Peer, master: MasterSupervisor,
-                                                       cluster_cfg: ClusterConfig, tmp_path: Path) -> None:
+                                                       cluster_cfg: ClusterConfig, tmp_path: Path,
+                                                       teardown_last: contextlib.ExitStack) -> None:
     keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=5, n=2)["keys"]]
     master.stop()
-    wait_for(lambda: not node.cluster.up, what="the node to see the master gone")
+    wait_for(checked_now(node, lambda: not node.cluster.up), what="the node to see the master gone")
     p = node.probe(keys)
     assert (p.total, p.remote) == (0, 0)
     assert node.counters()["cluster_down"] == 1
@@ -211,22 +301,20 @@ def test_master_down_is_a_fast_miss_and_service_resumes(node: TieredStore, peer:
     node.wait_idle(30)
     assert all(not node.contains(k) for k in keys)
     again = MasterSupervisor(cluster_cfg, log_path=tmp_path / "master2.log")
+    teardown_last.callback(again.stop)  # once the node and the peer are closed
     again.start()
-    try:
-        wait_for(lambda: node.cluster.up, what="the node to see the master back")
-        # A restarted master starts empty, and Mooncake's clients re-join it
-        # on their own schedule (a ping every few seconds, a reconnection
-        # after three missed): what the peer saves once it has is found.
-        seeds = iter(range(100, 1000))
+    wait_for(checked_now(node, lambda: node.cluster.up), what="the node to see the master back")
+    # A restarted master starts empty, and Mooncake's clients re-join it
+    # on their own schedule (a ping every few seconds, a reconnection
+    # after three missed): what the peer saves once it has is found.
+    seeds = iter(range(100, 1000))
 
-        def resumed() -> bool:
-            fresh = [bytes.fromhex(k) for k in peer.do(op="save", seed=next(seeds), n=2)["keys"]]
-            return fetch(node, fresh) == 2
+    def resumed() -> bool:
+        fresh = [bytes.fromhex(k) for k in peer.do(op="save", seed=next(seeds), n=2)["keys"]]
+        return fetch(node, fresh) == 2
 
-        wait_for(resumed, timeout_s=120, what="hits after the restart")
-        assert node.counters()["cluster_fetched"] >= 2
-    finally:
-        again.stop()
+    wait_for(resumed, timeout_s=120, what="hits after the restart")
+    assert node.counters()["cluster_fetched"] >= 2
 
 
 def test_stalled_lookup_times_out_and_marks_the_cluster_down(make_tier, tmp_path: Path) -> None:

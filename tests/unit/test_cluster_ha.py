@@ -12,14 +12,18 @@ etcd missing is a failure, not a skip (CI installs it: .ci/run). Needs the
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -114,15 +118,21 @@ class Node:
 
 
 class Client:
-    """cluster_ha_client.py: Mooncake's client following the leader through etcd."""
+    """cluster_ha_client.py: Mooncake's client following the leader through etcd.
+
+    Started at once; :meth:`wait_ready` waits until it has joined the leader
+    (it retries while no master leads, so it may start before the masters)."""
 
     def __init__(self, etcd_endpoint: str, log: Path) -> None:
         self.shm = f"/dev/shm/kvtier-test-ha-{uuid.uuid4().hex}"
         cmd = [sys.executable, str(CLIENT), "--etcd", etcd_endpoint, "--shm", self.shm]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(log, "ab"), text=True)
+
+    def wait_ready(self) -> Client:
         got = self.read()
         assert got == {"ready": True}, got
+        return self
 
     def read(self) -> dict:
         assert self.proc.stdout is not None
@@ -151,12 +161,40 @@ class Client:
             os.unlink(self.shm)
 
 
+def _etcd_post(endpoint: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://{endpoint}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def leader_lease(endpoint: str) -> str:
+    """The id of the etcd lease the leading master holds its key under."""
+    key = base64.b64encode(etcd.leader_key().encode()).decode()
+    kvs = _etcd_post(endpoint, "/v3/kv/range", {"key": key}).get("kvs") or []
+    assert kvs and kvs[0].get("lease"), kvs
+    return kvs[0]["lease"]
+
+
+def end_lease(endpoint: str, lease: str) -> None:
+    """Revoke ``lease`` in etcd, as its running out does: the keys under it
+    go (the standbys watching the leader's key campaign). A lease that ran
+    out already is left as it is."""
+    try:
+        _etcd_post(endpoint, "/v3/lease/revoke", {"ID": lease})
+    except urllib.error.HTTPError:
+        pass  # not found: it ran out meanwhile
+
+
 def test_standby_master_takes_over_when_the_leader_is_killed(etcd_server: Etcd, tmp_path: Path) -> None:
     nodes = [Node(tmp_path / "node1", etcd_server.endpoint), Node(tmp_path / "node2", etcd_server.endpoint)]
-    client = None
+    # The client process starts beside the masters (its imports take seconds)
+    # and joins whichever leads; the two kvtier meta start side by side.
+    client: Client | None = Client(etcd_server.endpoint, tmp_path / "client.log")
     try:
-        for n in nodes:
-            n.proc.start()
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            for started in [pool.submit(n.proc.start) for n in nodes]:
+                started.result()
         # One leads (etcd names it), the other stands by with its RPC port closed.
         wait_for(lambda: etcd.leader(etcd_server.endpoint) in {n.address for n in nodes}, 30,
                  "a leader in etcd")
@@ -165,10 +203,15 @@ def test_standby_master_takes_over_when_the_leader_is_killed(etcd_server: Etcd, 
         wait_for(lambda: leader.role() == "leader" and standby.role() == "standby", 30,
                  "leader and standby roles")
 
-        client = Client(etcd_server.endpoint, tmp_path / "client.log")
+        client.wait_ready()
         assert client.round_trip(seed=1, n=4)
 
+        lease = leader_lease(etcd_server.endpoint)
         leader.kill()
+        # A dead leader's lease runs out up to 5 s after its last keep-alive
+        # (Mooncake's TTL); the standby campaigns once it is gone, then waits
+        # out 5 s of its own before it serves. The lease is ended at once.
+        end_lease(etcd_server.endpoint, lease)
         # Gets and puts through the standby, once it has the lease and the
         # client has followed it and mounted its segment there again.
         seeds = iter(range(100, 10_000))
@@ -189,14 +232,22 @@ def test_unreachable_etcd_is_refused_naming_the_key(tmp_path: Path) -> None:
     """kvtier meta and the master refuse endpoints where no etcd answers, with one line naming the key."""
     closed = f"127.0.0.1:{free_port()}"
     cfg = ClusterConfig(master_port=free_port(), master_metrics_port=free_port(), etcd_endpoints=closed)
-    with pytest.raises(ConfigError, match="kvtier.cluster.etcd_endpoints") as err:
-        MasterSupervisor(cfg).start()
-    assert closed in str(err.value)
 
-    node = Node(tmp_path / "node", closed)
-    with pytest.raises(ServerError) as err:
-        node.proc.start()
-    assert "kvtier.cluster.etcd_endpoints" in str(err.value) and "no etcd answers" in str(err.value)
+    def meta_refuses() -> pytest.ExceptionInfo[ServerError]:
+        node = Node(tmp_path / "node", closed)
+        with pytest.raises(ServerError) as err:
+            node.proc.start()
+        return err
+
+    # kvtier meta (a process of its own, with its own wait for etcd) is
+    # refused while this process's master is.
+    with ThreadPoolExecutor(1) as pool:
+        meta = pool.submit(meta_refuses)
+        with pytest.raises(ConfigError, match="kvtier.cluster.etcd_endpoints") as err:
+            MasterSupervisor(cfg).start()
+        assert closed in str(err.value)
+        meta_err = meta.result()
+    assert "kvtier.cluster.etcd_endpoints" in str(meta_err.value) and "no etcd answers" in str(meta_err.value)
 
 
 def test_something_else_than_etcd_is_refused(tmp_path: Path) -> None:
@@ -214,7 +265,8 @@ def test_something_else_than_etcd_is_refused(tmp_path: Path) -> None:
             pass
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hello)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    # A short poll interval: shutdown() waits for serve_forever's next poll.
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
         with pytest.raises(ConfigError, match="kvtier.cluster.etcd_endpoints"):
             etcd.require(f"127.0.0.1:{srv.server_address[1]}", timeout_s=0.5)
