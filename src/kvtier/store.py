@@ -183,7 +183,7 @@ class EventCounts:
     cluster_fetch_errors: int = 0  # the transfer failed (master or peer unreachable, stalled)
     cluster_published: int = 0
     cluster_publish_failures: int = 0  # puts refused or failed, or the cluster was down
-    cluster_publish_skipped: int = 0  # not published: too many puts in flight
+    cluster_publish_skipped: int = 0  # not published: too many puts in flight, or left DRAM unpublished
     cluster_down: int = 0  # times the cluster became unreachable
 
 
@@ -813,6 +813,7 @@ class TieredStore:
                 e = self._entries[key]
                 if e.on_ssd and not (e.pins or e.demoting or e.evict_after or e.doomed) \
                         and e.state is EntryState.READY:
+                    self._count_unpublished(e)
                     self._drop(key, e)
                     freed += 1
         publish: list[bytes] = []
@@ -834,6 +835,7 @@ class TieredStore:
                     self._drop(key, e)
                     freed += 1
                 continue
+            self._count_unpublished(e)
             if e.demoting:  # being cleaned already: free it when the write lands
                 e.evict_after = True
                 self._freeing += 1
@@ -866,6 +868,13 @@ class TieredStore:
                 log.info("kvtier: DRAM eviction: %d freed (copy on SSD), %d demoting, %d freed without copy; "
                          "%d/%d slots used; totals: %d evictions", freed, demoted, lost, len(self._entries),
                          self.tier.num_slots, self._c.evictions)
+
+    def _count_unpublished(self, e: _Entry) -> None:
+        """With publishing on eviction, a block that leaves DRAM without
+        reaching the cluster (puts in flight at the limit, or the cluster
+        down) is counted: the cluster tier is missing it."""
+        if self._publish_on_evict and self._cluster is not None and not (e.in_cluster or e.doomed):
+            self._c.cluster_publish_skipped += 1
 
     def _drop(self, key: bytes, e: _Entry) -> None:
         del self._entries[key]

@@ -414,3 +414,33 @@ def test_publish_on_evict_sends_blocks_as_they_leave_dram(make_tier, cluster_cfg
         assert not store.contains(first[0])
     finally:
         store.close()
+
+
+def test_blocks_leaving_dram_unpublished_are_counted(make_tier) -> None:
+    """kvtier.cluster.publish = evict with the cluster unreachable: no block
+    can be published on its way out, and each one that leaves DRAM is
+    counted as skipped (the cluster tier is missing it), none silently."""
+    from kvtier.tier.dram import checksum
+
+    cfg = ClusterConfig(master_port=free_port(), master_metrics_port=free_port(), segment_bytes=0)  # no master
+    tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)  # 8 slots: high mark 7, low 4
+    store = TieredStore(tier, 90, 50, cluster=MooncakeTier(cfg, tier), publish_on_evict=True,
+                        cluster_timeout_s=0.5)
+    try:
+        assert not store.cluster.up
+        for step in range(3):
+            keys = [block_key(30 + step, i) for i in range(3)]
+            slots = store.prepare_save(keys, step)
+            for i, (key, slot) in enumerate(zip(keys, slots)):
+                if slot is not None:
+                    view = tier.rank_view(slot, 0)
+                    view.numpy()[:] = block_bytes(30, step * 10 + i, 0, RANK_BYTES)
+                    tier.seal(slot, key, 0, checksum(view, key))
+            store.complete_step(step)
+        store.wait_idle(30)
+        c = store.counters()
+        assert c["evictions"] > 0
+        assert c["cluster_published"] == 0
+        assert c["cluster_publish_skipped"] == c["evictions"]
+    finally:
+        store.close()
