@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 # longest files come first so that short unit-test files fill the end.
 # Tests marked slow (a real model) are left to test-slow: CI is close to its time limit.
 test: setup
-	$(PY) -m pytest tests/stress tests/e2e tests/unit -v --timeout=900 -n 2 --dist loadfile --durations=30 -m "not slow"
+	$(PY) -m pytest tests/stress tests/e2e tests/integration tests/unit -v --timeout=900 -n 2 --dist loadfile --durations=30 -m "not slow"
 
 test-slow: setup
 	$(PY) -m pytest tests -v --timeout=1200 -m slow
