@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,9 @@ def wait_for(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
 
 
 def own_master(test):
-    """The test stops or kills the master: it gets a master, a peer and a node
-    of its own instead of the module's (the others share one of each)."""
+    """The test stops or kills the master, or kills the peer: it gets a
+    master, a peer and a node of its own instead of the module's (the others
+    share one of each)."""
     test.own_master = True
     return test
 
@@ -83,6 +85,13 @@ class Peer:
         self.proc.stdin.flush()
         return self.read()
 
+    def kill(self) -> None:
+        """SIGKILL the whole process (it has no children) and reap it: the node
+        dies with its Mooncake client, and the memory it lent the cluster
+        goes with it, while the master still lists the values held there."""
+        self.proc.kill()
+        self.proc.wait()
+
     def begin_close(self) -> None:
         """EOF on its stdin: it closes its store and exits (close() waits for that)."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -103,7 +112,7 @@ class Peer:
 # master and a peer process each cost seconds to start and to close); each
 # test uses keys of its own (its seeds) and a node of its own, so what it
 # asserts of its node's counters is its own. Tests that stop or kill the
-# master are marked @own_master and get their own.
+# master, or kill the peer, are marked @own_master and get their own.
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +324,54 @@ def test_master_down_is_a_fast_miss_and_service_resumes(node: TieredStore, peer:
 
     wait_for(resumed, timeout_s=120, what="hits after the restart")
     assert node.counters()["cluster_fetched"] >= 2
+
+
+@own_master  # a dead peer stays mounted at the master for seconds: other tests' puts would land in it
+def test_peer_node_killed_is_a_miss_counted_and_the_store_lives(make_tier, peer: Peer,
+                                                                master: MasterSupervisor,
+                                                                cluster_cfg: ClusterConfig) -> None:
+    """The node whose memory holds published blocks dies (SIGKILL) between
+    this node's lookup and its fetch: each fetch fails (a transfer to a
+    segment whose owner is gone), is a miss counted as a fetch error, and
+    nothing is READY; the cluster is not marked down (its master answers),
+    and the store keeps saving and finding blocks."""
+    from kvtier.tier.dram import checksum
+
+    # This node lends no memory (a pure client): every block the peer
+    # publishes lives in the peer's segment, so every fetch meets the dead node.
+    tier = make_tier(4096 * 4 + 32 * (RANK_BYTES + 128), RANK_BYTES)
+    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(replace(cluster_cfg, segment_bytes=0), tier),
+                        cluster_timeout_s=5.0)
+    try:
+        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
+        keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=11, n=4)["keys"]]
+        p = store.probe(keys)
+        assert (p.ready, p.total, p.remote) == (0, 4, 4)
+        peer.kill()
+        # The master forgets a dead client's segment only after its client
+        # TTL (seconds): the fetches planned from the lookup go to the dead node.
+        assert store.promote(keys) == 4
+        wait_for(lambda: store.wait_idle(0.1), timeout_s=store.cluster.timeout_s,
+                 what="the fetches from the dead node to end within the store's timeout")
+        assert store.probe(keys).ready == 0
+        assert all(not store.contains(k) for k in keys)
+        c = store.counters()
+        assert (c["cluster_fetched"], c["cluster_fetch_errors"], c["cluster_gone"], c["cluster_corrupt"]) == \
+            (0, 4, 0, 0)
+        assert c["cluster_down"] == 0 and store.cluster.up
+        # Still usable: a save on this node is found by the next lookup.
+        mine = [block_key(12, i) for i in range(2)]
+        slots = store.prepare_save(mine, 0)
+        for i, (key, slot) in enumerate(zip(mine, slots)):
+            assert slot is not None
+            view = tier.rank_view(slot, 0)
+            view.numpy()[:] = block_bytes(12, i, 0, RANK_BYTES)
+            tier.seal(slot, key, 0, checksum(view, key))
+        store.complete_step(0)
+        assert store.probe(mine).ready == 2
+        assert store.wait_idle(30)
+    finally:
+        store.close()
 
 
 def test_stalled_lookup_times_out_and_marks_the_cluster_down(make_tier, tmp_path: Path) -> None:
