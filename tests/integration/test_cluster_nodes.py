@@ -35,6 +35,7 @@ from kvtier.pool.client import PoolPlacement  # noqa: E402
 from kvtier.tier.dram import DramTier, checksum  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
 from kvtier.tools.server import free_port, parse_metrics  # noqa: E402
+from tests.unit.helpers import wait_for  # noqa: E402
 
 RANK_BYTES = 16 << 10
 
@@ -173,14 +174,6 @@ def fetched(c: PoolPlacement, ks: list[bytes], timeout_s: float = 30) -> int:
             return p.ready
         c.promote(ks[p.ready : p.total])
         c.wait_progress(0.05)
-
-
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def cluster_up(node: Node) -> bool:

@@ -68,6 +68,36 @@ def capacity_for() -> Callable[..., int]:
     return _capacity_for
 
 
+@pytest.fixture
+def make_tier_of(make_tier) -> Callable[[int, int], DramTier]:
+    """``make_tier_of(num_slots, rank_bytes)``: an arena of one rank with
+    exactly ``num_slots`` slots (asserted), made by ``make_tier``."""
+
+    def make(num_slots: int, rank_bytes: int) -> DramTier:
+        tier = make_tier(_capacity_for(num_slots, rank_bytes), rank_bytes)
+        assert tier.num_slots == num_slots
+        return tier
+
+    return make
+
+
+@pytest.fixture
+def worker_and_tier(make_tier):
+    """A connector worker half (rank 0) over 16 device blocks of ``BLOCK``
+    tokens on one layer (values 0, 1, 2, ... in float32), and an arena of 8
+    slots of 4 KiB (one block each): ``(worker, tier, kv)``."""
+    import torch
+
+    from kvtier.connector.worker import WorkerSide
+    from tests.unit.helpers import BLOCK
+
+    tier = make_tier(_capacity_for(8, 4096), 4096)
+    w = WorkerSide(rank=0, num_blocks=16)
+    kv = torch.arange(16 * 2 * BLOCK * 8, dtype=torch.float32).reshape(16, 2, BLOCK, 8)
+    w.register_kv_caches({"l0": kv})
+    return w, tier, kv
+
+
 # --- SSD tier -------------------------------------------------------------------
 
 PAGE = 4096

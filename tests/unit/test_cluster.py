@@ -10,12 +10,11 @@ Needs the ``kvtier[cluster]`` extra; skipped without it.
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -30,20 +29,18 @@ from kvtier.cluster.client import Fetched, MooncakeTier  # noqa: E402
 from kvtier.cluster.master import MasterSupervisor, port_open  # noqa: E402
 from kvtier.config import ClusterConfig  # noqa: E402
 from kvtier.store import EntryState, TieredStore  # noqa: E402
-from kvtier.tier.dram import DramTier  # noqa: E402
+from kvtier.tier.dram import DramTier, checksum  # noqa: E402
 from kvtier.tools.server import free_port  # noqa: E402
+from tests.unit import helpers  # noqa: E402
 from tests.unit.cluster_node import block_bytes, block_key  # noqa: E402
+from tests.unit.helpers import JsonLineProcess  # noqa: E402
 
 NODE = Path(__file__).with_name("cluster_node.py")
 RANK_BYTES = 64 << 10
 
 
-def wait_for(cond, timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+# Checks twice as often as elsewhere: the conditions here are flags and counters of this process.
+wait_for = functools.partial(helpers.wait_for, interval_s=0.05)
 
 
 def own_master(test):
@@ -62,8 +59,13 @@ def new_cluster_cfg() -> ClusterConfig:
     return ClusterConfig(master_port=free_port(), master_metrics_port=free_port(), segment_bytes=64 << 20)
 
 
-class Peer:
-    """The other node: cluster_node.py in its own process."""
+class Peer(JsonLineProcess):
+    """The other node: cluster_node.py in its own process. Its kill()
+    (SIGKILL) ends the whole node, which has no child processes: its
+    Mooncake client and the memory it lent the cluster, while the master
+    still lists the values held there."""
+
+    what = "peer node"
 
     def __init__(self, cfg: ClusterConfig, tmp_path: Path) -> None:
         self.shm = f"/dev/shm/kvtier-test-peer-{uuid.uuid4().hex}"
@@ -72,25 +74,6 @@ class Peer:
                                       "--rank-bytes", str(RANK_BYTES)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(tmp_path / "peer.log", "ab"), text=True)
         assert self.read() == {"ready": True}
-
-    def read(self) -> dict:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, "the peer node exited"
-        return json.loads(line)
-
-    def do(self, **cmd: object) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def kill(self) -> None:
-        """SIGKILL the whole process (it has no children) and reap it: the node
-        dies with its Mooncake client, and the memory it lent the cluster
-        goes with it, while the master still lists the values held there."""
-        self.proc.kill()
-        self.proc.wait()
 
     def begin_close(self) -> None:
         """EOF on its stdin: it closes its store and exits (close() waits for that)."""
@@ -102,8 +85,7 @@ class Peer:
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
         if os.path.exists(self.shm):
             os.unlink(self.shm)
 
@@ -203,6 +185,21 @@ def checked_now(store: TieredStore, cond: Callable[[], bool]) -> Callable[[], bo
     return check
 
 
+def save_blocks(store: TieredStore, keys: list[bytes], step: int, seed: int,
+                start: int = 0) -> list[int | None]:
+    """Save ``keys`` in ``step`` as a worker does: each slot handed out filled
+    with ``block_bytes(seed, start + i)`` and sealed, then the step completed."""
+    tier = store.tier
+    slots = store.prepare_save(keys, step)
+    for i, (key, slot) in enumerate(zip(keys, slots)):
+        if slot is not None:
+            view = tier.rank_view(slot, 0)
+            view.numpy()[:] = block_bytes(seed, start + i, 0, RANK_BYTES)
+            tier.seal(slot, key, 0, checksum(view, key))
+    store.complete_step(step)
+    return slots
+
+
 def fetch(store: TieredStore, keys: list[bytes]) -> int:
     """Probe and promote as the scheduler does; the number of keys READY afterwards."""
     p = store.probe(keys)
@@ -254,14 +251,7 @@ def test_block_from_another_node_is_fetched_verified_and_counted(node: TieredSto
 
 def test_save_is_published_and_found_by_the_other_node(node: TieredStore, peer: Peer) -> None:
     keys = [block_key(7, i) for i in range(3)]
-    slots = node.prepare_save(keys, 0)
-    for i, (key, slot) in enumerate(zip(keys, slots)):
-        view = node.tier.rank_view(slot, 0)
-        view.numpy()[:] = block_bytes(7, i, 0, RANK_BYTES)
-        from kvtier.tier.dram import checksum
-
-        node.tier.seal(slot, key, 0, checksum(view, key))
-    node.complete_step(0)
+    save_blocks(node, keys, 0, seed=7)
     node.wait_idle(30)
     assert node.counters()["cluster_published"] == 3
     assert node.cluster.remote.exists(keys) == [True] * 3
@@ -335,8 +325,6 @@ def test_peer_node_killed_is_a_miss_counted_and_the_store_lives(make_tier, peer:
     segment whose owner is gone), is a miss counted as a fetch error, and
     nothing is READY; the cluster is not marked down (its master answers),
     and the store keeps saving and finding blocks."""
-    from kvtier.tier.dram import checksum
-
     # This node lends no memory (a pure client): every block the peer
     # publishes lives in the peer's segment, so every fetch meets the dead node.
     tier = make_tier(4096 * 4 + 32 * (RANK_BYTES + 128), RANK_BYTES)
@@ -361,13 +349,7 @@ def test_peer_node_killed_is_a_miss_counted_and_the_store_lives(make_tier, peer:
         assert c["cluster_down"] == 0 and store.cluster.up
         # Still usable: a save on this node is found by the next lookup.
         mine = [block_key(12, i) for i in range(2)]
-        slots = store.prepare_save(mine, 0)
-        for i, (key, slot) in enumerate(zip(mine, slots)):
-            assert slot is not None
-            view = tier.rank_view(slot, 0)
-            view.numpy()[:] = block_bytes(12, i, 0, RANK_BYTES)
-            tier.seal(slot, key, 0, checksum(view, key))
-        store.complete_step(0)
+        assert None not in save_blocks(store, mine, 0, seed=12)
         assert store.probe(mine).ready == 2
         assert store.wait_idle(30)
     finally:
@@ -442,21 +424,13 @@ def test_publish_on_evict_sends_blocks_as_they_leave_dram(make_tier, cluster_cfg
                                                           master: MasterSupervisor) -> None:
     """kvtier.cluster.publish = evict: nothing is published on save; a block
     DRAM eviction picks is published first and freed by a later eviction."""
-    from kvtier.tier.dram import checksum
-
     tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)  # 8 slots: high mark 7, low 4
     store = TieredStore(tier, 90, 50, cluster=MooncakeTier(cluster_cfg, tier), publish_on_evict=True)
     try:
         wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
 
         def save(keys: list[bytes], step: int) -> None:
-            slots = store.prepare_save(keys, step)
-            for i, (key, slot) in enumerate(zip(keys, slots)):
-                if slot is not None:
-                    view = tier.rank_view(slot, 0)
-                    view.numpy()[:] = block_bytes(20, step * 10 + i, 0, RANK_BYTES)
-                    tier.seal(slot, key, 0, checksum(view, key))
-            store.complete_step(step)
+            save_blocks(store, keys, step, seed=20, start=step * 10)
 
         first = [block_key(20, i) for i in range(6)]
         save(first, 0)
@@ -477,8 +451,6 @@ def test_blocks_leaving_dram_unpublished_are_counted(make_tier) -> None:
     """kvtier.cluster.publish = evict with the cluster unreachable: no block
     can be published on its way out, and each one that leaves DRAM is
     counted as skipped (the cluster tier is missing it), none silently."""
-    from kvtier.tier.dram import checksum
-
     cfg = ClusterConfig(master_port=free_port(), master_metrics_port=free_port(), segment_bytes=0)  # no master
     tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)  # 8 slots: high mark 7, low 4
     store = TieredStore(tier, 90, 50, cluster=MooncakeTier(cfg, tier), publish_on_evict=True,
@@ -486,14 +458,7 @@ def test_blocks_leaving_dram_unpublished_are_counted(make_tier) -> None:
     try:
         assert not store.cluster.up
         for step in range(3):
-            keys = [block_key(30 + step, i) for i in range(3)]
-            slots = store.prepare_save(keys, step)
-            for i, (key, slot) in enumerate(zip(keys, slots)):
-                if slot is not None:
-                    view = tier.rank_view(slot, 0)
-                    view.numpy()[:] = block_bytes(30, step * 10 + i, 0, RANK_BYTES)
-                    tier.seal(slot, key, 0, checksum(view, key))
-            store.complete_step(step)
+            save_blocks(store, [block_key(30 + step, i) for i in range(3)], step, seed=30, start=step * 10)
         store.wait_idle(30)
         c = store.counters()
         assert c["evictions"] > 0

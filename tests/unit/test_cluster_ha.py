@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -36,16 +35,9 @@ from kvtier.config import ClusterConfig  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
 from kvtier.tools.server import ServerError, free_port  # noqa: E402
+from tests.unit.helpers import JsonLineProcess, wait_for  # noqa: E402
 
 CLIENT = Path(__file__).with_name("cluster_ha_client.py")
-
-
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 class Etcd:
@@ -117,11 +109,13 @@ class Node:
             self.proc.kill()  # the process group: kvtier meta and its mooncake_master
 
 
-class Client:
+class Client(JsonLineProcess):
     """cluster_ha_client.py: Mooncake's client following the leader through etcd.
 
     Started at once; :meth:`wait_ready` waits until it has joined the leader
     (it retries while no master leads, so it may start before the masters)."""
+
+    what = "client process"
 
     def __init__(self, etcd_endpoint: str, log: Path) -> None:
         self.shm = f"/dev/shm/kvtier-test-ha-{uuid.uuid4().hex}"
@@ -134,18 +128,6 @@ class Client:
         assert got == {"ready": True}, got
         return self
 
-    def read(self) -> dict:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, "the client process exited"
-        return json.loads(line)
-
-    def do(self, **cmd: object) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
     def round_trip(self, seed: int, n: int) -> bool:
         """Put n blocks, then get them: True when every put took and every get came back with its bytes."""
         put = self.do(op="put", seed=seed, n=n)
@@ -155,8 +137,7 @@ class Client:
 
     def close(self) -> None:
         # SIGKILL: Mooncake's client set up through etcd takes up to 30 s to close.
-        self.proc.kill()
-        self.proc.wait()
+        self.kill()
         if os.path.exists(self.shm):
             os.unlink(self.shm)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -11,29 +11,7 @@ from kvtier.connector.scheduler import SchedulerSide
 from kvtier.connector.worker import WorkerSide
 from kvtier.keys import KeyNamespace
 from kvtier.store import TieredStore
-
-BLOCK = 4
-
-
-@dataclass
-class FakeRequest:
-    """The fields of vLLM's Request that the scheduler half reads."""
-
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-
-@dataclass
-class FakeBlocks:
-    ids: list[int] = field(default_factory=list)
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return (self.ids,)
+from tests.unit.helpers import BLOCK, FakeBlocks, FakeRequest
 
 
 @pytest.fixture
@@ -112,17 +90,6 @@ def test_worker_without_an_arena_turns_loads_into_errors() -> None:
     assert w.get_block_ids_with_load_errors() == {3}
     report = w.build_report()
     assert report is not None and report.failed_slots == [1]
-
-
-@pytest.fixture
-def worker_and_tier(make_tier, capacity_for):
-    import torch
-
-    tier = make_tier(capacity_for(8, 4096), 4096)
-    w = WorkerSide(rank=0, num_blocks=16)
-    kv = torch.arange(16 * 2 * BLOCK * 8, dtype=torch.float32).reshape(16, 2, BLOCK, 8)
-    w.register_kv_caches({"l0": kv})
-    return w, tier, kv
 
 
 def test_saves_of_a_step_with_a_failed_load_are_all_dropped(worker_and_tier) -> None:

@@ -16,18 +16,7 @@ from kvtier.connector.scheduler import SchedulerSide
 from kvtier.connector.worker import WorkerSide
 from kvtier.keys import KeyNamespace
 from kvtier.store import TieredStore
-from tests.unit.test_connector_failsafe import FakeBlocks, FakeRequest
-
-BLOCK = 4
-
-
-@pytest.fixture
-def worker_and_tier(make_tier, capacity_for):
-    tier = make_tier(capacity_for(8, 4096), 4096)
-    w = WorkerSide(rank=0, num_blocks=16)
-    kv = torch.arange(16 * 2 * BLOCK * 8, dtype=torch.float32).reshape(16, 2, BLOCK, 8)
-    w.register_kv_caches({"l0": kv})
-    return w, tier, kv
+from tests.unit.helpers import BLOCK, FakeBlocks, FakeRequest
 
 
 def save(w: WorkerSide, tier, step: int, block_id: int, slot: int, key: bytes) -> None:

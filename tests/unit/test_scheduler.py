@@ -16,30 +16,11 @@ from kvtier.connector.meta import StepReport
 from kvtier.connector.scheduler import SchedulerSide
 from kvtier.keys import KeyNamespace
 from kvtier.store import Probe, TieredStore
+from tests.unit.helpers import BLOCK
+from tests.unit.helpers import FakeBlocks as Blocks
+from tests.unit.helpers import FakeRequest as Req
 
-BLOCK = 4
 SLOTS = 32
-
-
-@dataclass
-class Req:
-    """The fields of vLLM's Request that the scheduler half reads."""
-
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-
-@dataclass
-class Blocks:
-    ids: list[int] = field(default_factory=list)
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return (self.ids,)
 
 
 class Manager:

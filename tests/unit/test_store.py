@@ -20,10 +20,8 @@ def K(i: int) -> bytes:
 
 
 @pytest.fixture
-def tier(make_tier, capacity_for) -> DramTier:
-    t = make_tier(capacity_for(SLOTS, RANK_BYTES), RANK_BYTES)
-    assert t.num_slots == SLOTS
-    return t
+def tier(make_tier_of) -> DramTier:
+    return make_tier_of(SLOTS, RANK_BYTES)
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from kvtier.store import DEMOTE_GIVE_UP, Probe, TieredStore
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import IoOps, SsdTier
+from tests.unit.helpers import ssd_stores
 
 pytestmark = pytest.mark.timeout(120)  # a lost wakeup fails the test instead of hanging the run
 
@@ -72,10 +73,8 @@ class GateIo(IoOps):
 
 
 @pytest.fixture
-def dram(make_tier, capacity_for) -> DramTier:
-    tier = make_tier(capacity_for(DRAM_SLOTS, PAGE), PAGE)
-    assert tier.num_slots == DRAM_SLOTS
-    return tier
+def dram(make_tier_of) -> DramTier:
+    return make_tier_of(DRAM_SLOTS, PAGE)
 
 
 @pytest.fixture
@@ -91,20 +90,9 @@ def open_ssd(make_ssd, io: GateIo):
 
 @pytest.fixture
 def make_store(dram: DramTier, open_ssd, io: GateIo) -> Iterator[Callable[..., TieredStore]]:
-    stores: list[TieredStore] = []
-
-    def make(**kwargs) -> TieredStore:
-        ssd, recovered = open_ssd()
-        kwargs = {"high_pct": 80, "low_pct": 50, "dram_watermark_pct": 100, **kwargs}
-        store = TieredStore(dram, ssd=ssd, recovered=recovered, **kwargs)
-        stores.append(store)
-        return store
-
-    yield make
-    io.reads.set()
-    io.writes.set()
-    for store in stores:
-        store.close()
+    """``make_store(**kwargs)``: a store over ``dram`` and a new SSD tier; closed at teardown."""
+    with ssd_stores(dram, open_ssd, io) as make:
+        yield make
 
 
 def fill(store: TieredStore, keys: list[bytes], slots: list[int | None]) -> None:

@@ -33,6 +33,7 @@ from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import BlockRecord, IoOps, SsdTier
 from tests.unit.conftest import HEADER, HEADERS_PER_PAGE, PAGE, Recovered, ssd_offsets, ssd_table_bytes
+from tests.unit.helpers import ssd_stores
 
 pytestmark = pytest.mark.timeout(120)  # a lost wakeup fails the test instead of hanging the run
 
@@ -121,9 +122,9 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
 
 
 @pytest.fixture
-def dram(make_tier, capacity_for) -> DramTier:
-    tier = make_tier(capacity_for(DRAM_SLOTS, RANK_BYTES), RANK_BYTES)
-    assert tier.num_slots == DRAM_SLOTS and tier.slot_stride == RANK_BYTES
+def dram(make_tier_of) -> DramTier:
+    tier = make_tier_of(DRAM_SLOTS, RANK_BYTES)
+    assert tier.slot_stride == RANK_BYTES
     return tier
 
 
@@ -144,21 +145,8 @@ def make_store(dram: DramTier, open_ssd, disk: DiskIo) -> Iterator[Callable[...,
     and an SSD tier (a new one unless given). DRAM marks default to high 8,
     low 5 and no DRAM watermark. Closed at teardown, after which the write
     order audit must be clean."""
-    stores: list[TieredStore] = []
-
-    def make(ssd: SsdTier | None = None, recovered=(), **kwargs) -> TieredStore:
-        if ssd is None:
-            ssd, recovered = open_ssd()
-        kwargs = {"high_pct": 80, "low_pct": 50, "dram_watermark_pct": 100, **kwargs}
-        store = TieredStore(dram, ssd=ssd, recovered=recovered, **kwargs)
-        stores.append(store)
-        return store
-
-    yield make
-    disk.reads.set()
-    disk.writes.set()
-    for store in stores:
-        store.close()
+    with ssd_stores(dram, open_ssd, disk) as make:
+        yield make
     assert disk.violations == []
 
 

@@ -1,0 +1,117 @@
+"""Helpers shared by several test modules (fixtures shared by the unit tests are in conftest.py).
+
+* :func:`wait_for`: poll a condition up to a deadline (a bound against hangs, not a timing assert);
+* :class:`FakeRequest`, :class:`FakeBlocks`: the parts of vLLM's request and
+  block objects that the connector's scheduler half reads;
+* :class:`JsonLineProcess`: a helper process of a test that answers one JSON
+  line per JSON command on its stdin (the cluster tests' nodes and clients);
+* :func:`ssd_stores`: a store factory over one DRAM arena and an SSD tier
+  opened through a gated I/O stand-in, closed when the fixture ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvtier.store import TieredStore
+from kvtier.tier import DramTier
+
+BLOCK = 4  # tokens per block in the connector's tests
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition",
+             interval_s: float = 0.1) -> None:
+    """Wait until ``cond()`` holds, checking every ``interval_s``; AssertionError
+    naming ``what`` past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class FakeRequest:
+    """The fields of vLLM's Request that the scheduler half reads."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass
+class FakeBlocks:
+    ids: list[int] = field(default_factory=list)
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+class JsonLineProcess:
+    """A process of the test's that reads one JSON command per stdin line and
+    answers one JSON line on stdout each. Subclasses start ``proc`` (text
+    mode, stdin and stdout piped) and name it in ``what`` for the failure
+    when it exits."""
+
+    proc: subprocess.Popen
+    what = "process"
+
+    def read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the {self.what} exited"
+        return json.loads(line)
+
+    def do(self, **cmd: object) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def kill(self) -> None:
+        """SIGKILL and reap it."""
+        self.proc.kill()
+        self.proc.wait()
+
+
+class _Gates(Protocol):
+    """An SSD I/O stand-in whose reads and writes can be held at a gate."""
+
+    reads: Any  # threading.Event
+    writes: Any
+
+
+@contextlib.contextmanager
+def ssd_stores(dram: DramTier, open_ssd: Callable[[], tuple[Any, Any]],
+               gates: _Gates) -> Iterator[Callable[..., TieredStore]]:
+    """``make(ssd=None, recovered=(), **kwargs)``: a store over ``dram`` and an
+    SSD tier (a new one from ``open_ssd`` unless given). DRAM marks default
+    to high 80 %, low 50 % and no DRAM watermark. On exit the gates open (a
+    held I/O would keep close() waiting) and every store made is closed."""
+    stores: list[TieredStore] = []
+
+    def make(ssd=None, recovered=(), **kwargs) -> TieredStore:
+        if ssd is None:
+            ssd, recovered = open_ssd()
+        kwargs = {"high_pct": 80, "low_pct": 50, "dram_watermark_pct": 100, **kwargs}
+        store = TieredStore(dram, ssd=ssd, recovered=recovered, **kwargs)
+        stores.append(store)
+        return store
+
+    try:
+        yield make
+    finally:
+        gates.reads.set()
+        gates.writes.set()
+        for store in stores:
+            store.close()
