@@ -184,6 +184,11 @@ class SchedulerSide:
                         self._waited_step = self._step
                         self.store.wait_progress(self.promote_poll_s)
                     return None, False
+                # Nothing left to move: what the lookup saw on its way may
+                # have arrived since (a fetch or promotion that ended between
+                # the two calls). Count what is there now, not the stale
+                # ready run, or the rest of the hit is silently recomputed.
+                hit = self.store.probe(keys).ready
         st.waiting_since = None
         st.hit_blocks = hit
         st.device_tokens = num_computed_tokens
