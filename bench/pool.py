@@ -35,7 +35,7 @@ Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--
        lookup: [--tokens 65536] [--reps 1000]
        scale:  [--clients 1,2,4] [--transport tcp|unix] [--shared-blocks 1024] [--own-blocks 32]
        ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 1.0]
-               [--concurrency 8] [--dram-size 2GB]
+               [--concurrency 8] [--tput-reps 3] [--dram-size 2GB]
 """
 
 from __future__ import annotations
@@ -472,21 +472,26 @@ def run_ttft(args: argparse.Namespace) -> dict:
         Also the CPU seconds every process of the configuration used for it."""
         pids = a.pids() + b.pids() + extra_pids
         cpu0 = cpu_by_process(pids)
-        ttfts = [ttft(client, (a, b)[i % 2], prompt(seed0 + i, args.prompt_tokens))
-                 for i in range(args.rounds)]
-        prompts = [prompt(seed0 + 1000 + i, 2048) for i in range(args.concurrency)]
-        t = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrency) as ex:
-            rs = list(ex.map(lambda ip: stream_completion(client, (a, b)[ip[0] % 2].url, ip[1], max_tokens=64,
-                                                          ignore_eos=True), enumerate(prompts)))
-        wall = time.perf_counter() - t
-        if not all(r.ok for r in rs):
-            raise RuntimeError([r.error for r in rs if not r.ok])
-        tokens = sum(r.prompt_tokens + r.completion_tokens for r in rs)
+        n_ttft = 2 * args.rounds  # as many on A as on B
+        ttfts = [ttft(client, (a, b)[i % 2], prompt(seed0 + i, args.prompt_tokens)) for i in range(n_ttft)]
+        rates, tokens = [], 0
+        for rep in range(args.tput_reps):
+            prompts = [prompt(seed0 + 1000 * (rep + 1) + i, 2048) for i in range(args.concurrency)]
+            time.sleep(args.gap)
+            t = time.perf_counter()
+            with ThreadPoolExecutor(args.concurrency) as ex:
+                rs = list(ex.map(lambda ip: stream_completion(client, (a, b)[ip[0] % 2].url, ip[1],
+                                                              max_tokens=64, ignore_eos=True), enumerate(prompts)))
+            wall = time.perf_counter() - t
+            if not all(r.ok for r in rs):
+                raise RuntimeError([r.error for r in rs if not r.ok])
+            n = sum(r.prompt_tokens + r.completion_tokens for r in rs)
+            tokens += n
+            rates.append(n / wall)
         cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_by_process(pids).items()}
-        all_tokens = tokens + args.rounds * (args.prompt_tokens + 4)
-        return {"ttft_s": statistics.median(ttfts), "ttfts": ttfts, "tokens_per_s": tokens / wall,
-                "cpu_s": cpu, "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / all_tokens}
+        all_tokens = tokens + n_ttft * (args.prompt_tokens + 4)
+        return {"ttft_s": statistics.median(ttfts), "ttfts": ttfts, "tokens_per_s": statistics.median(rates),
+                "rates": rates, "cpu_s": cpu, "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / all_tokens}
 
     def server(name: str, kvtier: dict | None, env: dict | None = None) -> VllmServer:
         return VllmServer(ServerOptions(kvtier=kvtier, env=env or {}, **common),
@@ -610,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="ttft: concurrent prompts for throughput")
     ap.add_argument("--dram-size", default="2GB", help="ttft: DRAM of the embedded store and of the pool")
     ap.add_argument("--hit-reps", type=int, default=3, help="ttft: hits measured per prompt")
+    ap.add_argument("--tput-reps", type=int, default=3, help="ttft: throughput runs per configuration (median)")
     ap.add_argument("--gap", type=float, default=1.0, help="ttft: seconds of quiet before each request")
     ap.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")
     ap.add_argument("--chunk", type=int, default=2048, help="ttft: --max-num-batched-tokens")
