@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import socket
 import statistics
@@ -296,7 +295,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
     import httpx
     from transformers import AutoTokenizer
 
-    from kvtier.tools.client import stream_completion
+    from kvtier.tools.client import quiet_ttft, random_prompt
     from kvtier.tools.meta import MetaProcess
     from kvtier.tools.model import GEOMETRIES, build_model
     from kvtier.tools.server import ServerOptions, VllmServer, parse_metrics
@@ -335,18 +334,10 @@ def run_ttft(args: argparse.Namespace) -> dict:
             return parse_metrics(httpx.get(self.meta.metrics_url + "/metrics", timeout=5).text)
 
     def prompt(seed: int, n: int) -> list[int]:
-        rng = random.Random(seed)
-        return [rng.randrange(16, vocab) for _ in range(n)]
+        return random_prompt(seed, n, vocab)
 
     def ttft(client: httpx.Client, srv: VllmServer, p: list[int]) -> float:
-        # A quiet moment first: an instance that has just answered keeps both
-        # cores busy for up to ~0.7 s (see bench/pool.py's ttft), and a
-        # request to the other instance in that time waits for it.
-        time.sleep(args.gap)
-        r = stream_completion(client, srv.url, p, max_tokens=4)
-        if not r.ok:
-            raise RuntimeError(r.error)
-        return r.ttft_s
+        return quiet_ttft(client, srv.url, p, args.gap)  # see quiet_ttft on why the gap
 
     def wait_for(cond, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

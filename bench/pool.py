@@ -440,7 +440,7 @@ def cpu_by_process(pids: list[int]) -> dict[str, float]:
 def run_ttft(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
-    from kvtier.tools.client import stream_completion
+    from kvtier.tools.client import quiet_ttft, random_prompt, stream_completion
     from kvtier.tools.model import build_model
     from kvtier.tools.server import ServerOptions, VllmServer
 
@@ -452,19 +452,10 @@ def run_ttft(args: argparse.Namespace) -> dict:
     hit_tokens = (args.prompt_tokens - 1) // args.block * args.block  # one token is always computed
 
     def prompt(seed: int, n: int) -> list[int]:
-        rng = random.Random(seed)
-        return [rng.randrange(16, vocab) for _ in range(n)]
+        return random_prompt(seed, n, vocab)
 
     def ttft(client: httpx.Client, srv: VllmServer, p: list[int]) -> float:
-        # A quiet moment first: an instance that has just answered keeps both
-        # cores busy for up to ~0.7 s (vLLM alone does it too), and a request
-        # to the other instance in that time waited for it (TTFTs of 40 ms or
-        # 450-800 ms at random, device hits included, without the gap).
-        time.sleep(args.gap)
-        r = stream_completion(client, srv.url, p, max_tokens=4)
-        if not r.ok:
-            raise RuntimeError(r.error)
-        return r.ttft_s
+        return quiet_ttft(client, srv.url, p, args.gap)  # see quiet_ttft on why the gap
 
     def no_hits(client: httpx.Client, a: VllmServer, b: VllmServer, seed0: int, extra_pids: list[int]) -> dict:
         """Distinct prompts, none repeated: TTFT one at a time (A and B in

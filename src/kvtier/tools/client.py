@@ -9,6 +9,7 @@ request is sent to the first chunk that carries generated text.
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,29 @@ def stream_completion(client: httpx.Client, base_url: str, prompt: str | list[in
                       model: str = "model", timeout_s: float = 600.0, **params: object) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **params}
     return _stream(client, base_url + "/v1/completions", body, timeout_s)
+
+
+def random_prompt(seed: int, n: int, vocab: int) -> list[int]:
+    """``n`` token ids drawn from ``seed`` (ids under 16 left out: special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(16, vocab) for _ in range(n)]
+
+
+def quiet_ttft(client: httpx.Client, base_url: str, prompt: list[int], gap_s: float,
+               max_tokens: int = 4) -> float:
+    """TTFT of one completion sent after ``gap_s`` of quiet.
+
+    On a machine with few cores, a vLLM CPU instance that has just answered
+    keeps them busy for up to ~0.7 s; a request to another instance in that
+    time waits for it (TTFTs of 40 ms or 450-800 ms at random, device hits
+    included, measured with two instances on two cores). Benchmarks that
+    compare single requests across instances wait first.
+    """
+    time.sleep(gap_s)
+    r = stream_completion(client, base_url, prompt, max_tokens=max_tokens)
+    if not r.ok:
+        raise RuntimeError(r.error)
+    return r.ttft_s
 
 
 @dataclass(frozen=True)
