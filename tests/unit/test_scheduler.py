@@ -231,3 +231,25 @@ def test_blocks_that_became_ready_since_the_lookup_are_counted(side: SchedulerSi
     monkeypatch.setattr(store, "probe", probe)
     assert store.promote(keys[1:]) == 0  # nothing to move: all READY
     assert side.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+
+
+def test_the_wait_is_longer_only_when_nothing_else_runs(side: SchedulerSide, store: TieredStore,
+                                                        monkeypatch) -> None:
+    # A request waits for its prefix to arrive in DRAM. While other requests
+    # run, each pass waits at most promote_poll_s (their steps wait on it);
+    # after a pass that scheduled nothing, idle_poll_s (it ends at the first
+    # finished copy), so that the pool is not asked every millisecond.
+    monkeypatch.setattr(store, "probe", lambda keys: Probe(0, len(keys)))
+    monkeypatch.setattr(store, "promote", lambda keys: len(keys))
+    waits = []
+    monkeypatch.setattr(store, "wait_progress", lambda timeout_s: waits.append(timeout_s))
+    side.kv_cache_manager.blocks["busy"] = []
+    waiting = Req("w", tokens(2, base=700))
+    side.build_connector_meta(Output({"busy": 1}))  # a pass that ran another request
+    assert side.get_num_new_matched_tokens(waiting, 0) == (None, False)
+    side.build_connector_meta(Output({}))  # a pass that ran nothing
+    assert side.get_num_new_matched_tokens(waiting, 0) == (None, False)
+    side.build_connector_meta(Output({"busy": 1}))
+    assert side.get_num_new_matched_tokens(waiting, 0) == (None, False)
+    assert waits == [side.promote_poll_s, side.idle_poll_s, side.promote_poll_s]
+    assert side.idle_poll_s > side.promote_poll_s

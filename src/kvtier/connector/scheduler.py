@@ -73,6 +73,12 @@ class SchedulerSide:
         self._settled_step = -1  # every step up to this one is reported done by all ranks
         self._delayed: dict[str, int] = {}  # request -> last save step, for the next plan
         self.promote_poll_s = 0.001
+        # With nothing else scheduled, a wait holds up no one: it can be
+        # longer (it ends at the first finished copy anyway), so that the
+        # scheduler does not ask the pool every millisecond while its I/O
+        # threads, on the same cores, do the work.
+        self.idle_poll_s = 0.01
+        self._idle_pass = False  # the last planned step scheduled no tokens
         # Embedded or the node's pool: the same calls (placement.py).
         self.store: Placement = EmbeddedPlacement(store) if isinstance(store, TieredStore) else store
         self.block_tokens = block_tokens
@@ -182,7 +188,7 @@ class SchedulerSide:
                     # included, N waits longer (issue 7, item 9).
                     if self._waited_step != self._step:
                         self._waited_step = self._step
-                        self.store.wait_progress(self.promote_poll_s)
+                        self.store.wait_progress(self.idle_poll_s if self._idle_pass else self.promote_poll_s)
                     return None, False
                 # Nothing left to move: what the lookup saw on its way may
                 # have arrived since (a fetch or promotion that ended between
@@ -257,6 +263,7 @@ class SchedulerSide:
         # half-way, failed_step_plan() still reports every one of them.
         plan = StepPlan(step=step, arena=self.store.arena_path, loads=list(self._loads_this_step))
         sched = scheduler_output.num_scheduled_tokens
+        self._idle_pass = not sched
         for req_id, n_sched in sched.items():
             st = self._reqs.get(req_id)
             if st is None or st.uncacheable:
