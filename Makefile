@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtier-setup
 
-.PHONY: setup test test-fast test-slow demo bench clean
+.PHONY: setup system-deps test test-fast test-slow demo bench clean
 
 setup: $(STAMP)
 
@@ -30,7 +30,22 @@ $(STAMP): pyproject.toml
 # single-threaded imports, so two of them overlap well on two cores. The
 # longest files come first so that short unit-test files fill the end.
 # Tests marked slow (a real model) are left to test-slow: CI is close to its time limit.
-test: setup
+# Debian packages the tests need beside .venv: Mooncake (the cluster tier)
+# loads libibverbs.so.1 even over TCP, and the standby-master test runs a
+# real etcd. Installed when missing (as root with apt), else named.
+system-deps:
+	@missing=""; \
+	ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing="$$missing libibverbs1"; \
+	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && apt-get install -y -qq $$missing; \
+	  else \
+	    echo "make test needs the Debian packages:$$missing (apt-get install$$missing)" >&2; exit 1; \
+	  fi; \
+	fi
+
+test: setup system-deps
 	$(PY) -m pytest tests/stress tests/e2e tests/integration tests/unit -v --timeout=900 -n 2 --dist loadfile --durations=30 -m "not slow"
 
 test-slow: setup
