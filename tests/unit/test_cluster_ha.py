@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[cluster] extra")
@@ -34,7 +35,7 @@ from kvtier.cluster.master import MasterSupervisor, master_role  # noqa: E402
 from kvtier.config import ClusterConfig  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
-from kvtier.tools.server import ServerError, free_port  # noqa: E402
+from kvtier.tools.server import ServerError, free_port, parse_metrics  # noqa: E402
 from tests.unit.helpers import JsonLineProcess, wait_for  # noqa: E402
 
 CLIENT = Path(__file__).with_name("cluster_ha_client.py")
@@ -103,6 +104,12 @@ class Node:
     def role(self) -> str | None:
         return master_role(ClusterConfig(master_port=self.master_port,
                                          master_metrics_port=self.master_metrics_port))
+
+    def metrics_role(self) -> list[str]:
+        """The roles this node's /metrics reports for its master (one when it answers)."""
+        text = httpx.get(self.proc.metrics_url + "/metrics", timeout=5).text
+        return [k.split('role="')[1].split('"')[0] for k, v in parse_metrics(text).items()
+                if k.startswith("kvtier_cluster_master_role{") and v == 1]
 
     def kill(self) -> None:
         if self.proc.proc is not None and self.proc.proc.poll() is None:
@@ -183,6 +190,8 @@ def test_standby_master_takes_over_when_the_leader_is_killed(etcd_server: Etcd, 
         standby = next(n for n in nodes if n is not leader)
         wait_for(lambda: leader.role() == "leader" and standby.role() == "standby", 30,
                  "leader and standby roles")
+        # Each node's /metrics says which its master is.
+        assert (leader.metrics_role(), standby.metrics_role()) == (["leader"], ["standby"])
 
         client.wait_ready()
         assert client.round_trip(seed=1, n=4)
@@ -199,6 +208,7 @@ def test_standby_master_takes_over_when_the_leader_is_killed(etcd_server: Etcd, 
         wait_for(lambda: client.round_trip(seed=next(seeds), n=4), 90, "puts and gets through the standby")
         assert etcd.leader(etcd_server.endpoint) == standby.address
         assert standby.role() == "leader"
+        assert standby.metrics_role() == ["leader"]
         # The new leader's index starts empty (no oplog): blocks put before
         # the takeover are misses, never wrong bytes.
         assert set(client.do(op="get", seed=1, n=4)["got"]) <= {"gone", "ok"}

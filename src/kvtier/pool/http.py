@@ -128,6 +128,15 @@ def _cluster_metrics(svc: MetaService) -> Iterator[object]:
         pid = GaugeMetricFamily("kvtier_cluster_master_pid", "Process id of the Mooncake master this node runs")
         pid.add_metric([], sup.pid or 0)
         yield pid
+        role = sup.role()
+        if role:
+            # With etcd, one master leads and the others stand by (their
+            # figures below are empty until one takes over).
+            g = GaugeMetricFamily("kvtier_cluster_master_role",
+                                  "1 for the role the Mooncake master this node runs says it has",
+                                  labels=["role"])
+            g.add_metric([role], 1)
+            yield g
     usage = _master_usage(svc)
     if usage:
         g = GaugeMetricFamily("kvtier_cluster_master", "The Mooncake master's figures for the whole cluster",
