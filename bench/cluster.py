@@ -298,7 +298,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
     from kvtier.tools.client import quiet_ttft, random_prompt
     from kvtier.tools.meta import MetaProcess
     from kvtier.tools.model import GEOMETRIES, build_model
-    from kvtier.tools.server import ServerOptions, VllmServer, parse_metrics
+    from kvtier.tools.server import ServerOptions, VllmServer, parse_metrics, poll_until
 
     model = str(build_model(args.geometry))
     vocab = len(AutoTokenizer.from_pretrained(model))
@@ -339,14 +339,6 @@ def run_ttft(args: argparse.Namespace) -> dict:
     def ttft(client: httpx.Client, srv: VllmServer, p: list[int]) -> float:
         return quiet_ttft(client, srv.url, p, args.gap)  # see quiet_ttft on why the gap
 
-    def wait_for(cond, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-        return True
-
     def add(total: dict[str, float], before: dict[str, float], after: dict[str, float], keys) -> None:
         for k in keys:
             total[k] = total.get(k, 0.0) + after.get(k, 0.0) - before.get(k, 0.0)
@@ -366,7 +358,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
                 fut.result()
         a, b = n1.server, n2.server
         assert a is not None and b is not None
-        if not wait_for(lambda: all(n.pool_metrics().get("kvtier_cluster_up") == 1 for n in (n1, n2)), 60):
+        if not poll_until(lambda: all(n.pool_metrics().get("kvtier_cluster_up") == 1 for n in (n1, n2)), 60):
             raise RuntimeError(f"the nodes did not join Mooncake's master; logs in {root}")
         with httpx.Client(timeout=600) as client:
             for s in (a, b):
@@ -375,7 +367,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
             warm = prompt(998, 1024)
             published = n1.pool_metrics().get(PUBLISHED, 0)
             ttft(client, a, warm)
-            wait_for(lambda: n1.pool_metrics().get(PUBLISHED, 0) >= published + 1023 // args.block, 30)
+            poll_until(lambda: n1.pool_metrics().get(PUBLISHED, 0) >= published + 1023 // args.block, 30)
             out["first_p2p_1k_s"] = ttft(client, b, warm)
 
             cold, device, p2p, dram = [], [], [], []
@@ -393,7 +385,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
                 device.append(ttft(client, a, p))
                 # Write-through: node 1 publishes each block once its save is
                 # complete, off the request's path; node 2 asks once all are in.
-                if not wait_for(lambda: n1.pool_metrics().get(PUBLISHED, 0) >= published + hit_blocks, 30):
+                if not poll_until(lambda: n1.pool_metrics().get(PUBLISHED, 0) >= published + hit_blocks, 30):
                     unpublished += 1
                 before, pool_before = b.metrics(), n2.pool_metrics()
                 p2p.append(ttft(client, b, p))

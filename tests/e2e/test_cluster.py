@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +27,7 @@ import pytest
 pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[cluster] extra")
 
 from kvtier.tools.meta import MetaProcess  # noqa: E402
-from kvtier.tools.server import VllmServer, free_port, parse_metrics  # noqa: E402
+from kvtier.tools.server import VllmServer, free_port, parse_metrics, poll_until  # noqa: E402
 from tests.e2e.conftest import BLOCK, assert_loads_succeeded, complete, delta, server_options, tokens  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -88,11 +87,8 @@ class Node:
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+    if not poll_until(cond, timeout_s, 0.2):
+        raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +178,7 @@ def test_master_killed_requests_complete_then_hits_resume(nodes: tuple[Node, Nod
         # Node 1's puts of the prompt's 8 blocks end after the request: up
         # to a second for them (puts that fail while its client re-joins
         # are not counted; then the second runs out and node 2 misses).
-        deadline = time.monotonic() + 1.0
-        while n1.pool_metrics().get(published, 0) < was + 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        poll_until(lambda: n1.pool_metrics().get(published, 0) >= was + 8, 1.0, 0.05)
         before = b.metrics()
         got = complete(b, p)["text"]
         assert got == ref

@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.store import TieredStore
 from kvtier.tier import DramTier
+from kvtier.tools.server import poll_until
 
 BLOCK = 4  # tokens per block in the connector's tests
 
@@ -29,11 +29,8 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 30.0, what: str = "con
              interval_s: float = 0.1) -> None:
     """Wait until ``cond()`` holds, checking every ``interval_s``; AssertionError
     naming ``what`` past ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval_s)
+    if not poll_until(cond, timeout_s, interval_s):
+        raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass

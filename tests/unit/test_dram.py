@@ -13,6 +13,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.tier import DramTier
 from kvtier.tier.dram import MAX_RANKS, checksum
+from kvtier.tools.server import poll_until
 
 PAGE = 4096
 KEY_A = bytes(range(16))
@@ -471,18 +472,6 @@ def test_an_owner_killed_without_closing_leaves_a_removable_arena(shm_dir: str) 
     assert not os.path.exists(path)
 
 
-def _wait_until(cond, timeout_s: float = 60.0) -> bool:
-    """Poll ``cond`` until true or the deadline (a wait for another process, not a timing check)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _reapers_of(path: str) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
@@ -513,12 +502,12 @@ def test_the_reaper_removes_the_arena_of_an_owner_killed_without_closing(shm_dir
     owner = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout.readline().strip() == "ready"
-        assert _wait_until(lambda: len(_reapers_of(path)) == 1)
+        assert poll_until(lambda: len(_reapers_of(path)) == 1, 60, 0.05)
         assert os.path.exists(path)  # the owner lives: the reaper waits
         owner.send_signal(signal.SIGKILL)  # as vLLM kills its engine core
         owner.wait(30)
-        assert _wait_until(lambda: not os.path.exists(path))
-        assert _wait_until(lambda: _reapers_of(path) == [])
+        assert poll_until(lambda: not os.path.exists(path), 60, 0.05)
+        assert poll_until(lambda: _reapers_of(path) == [], 60, 0.05)
     finally:
         if owner.poll() is None:
             owner.kill()
@@ -531,9 +520,9 @@ def test_the_reaper_of_a_closed_arena_exits(shm_dir: str) -> None:
     path = os.path.join(shm_dir, "kvtier-dram-4-0")
     tier = DramTier.create(path, 1 << 16, 4096)
     start_reaper(tier)
-    assert _wait_until(lambda: len(_reapers_of(path)) == 1)
+    assert poll_until(lambda: len(_reapers_of(path)) == 1, 60, 0.05)
     tier.close()
-    assert _wait_until(lambda: _reapers_of(path) == [])
+    assert poll_until(lambda: _reapers_of(path) == [], 60, 0.05)
     assert os.listdir(shm_dir) == []
 
 

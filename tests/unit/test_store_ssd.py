@@ -21,7 +21,6 @@ import hashlib
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -32,6 +31,7 @@ from kvtier.store import Probe, TieredStore
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import BlockRecord, IoOps, SsdTier
+from kvtier.tools.server import poll_until
 from tests.unit.conftest import HEADER, HEADERS_PER_PAGE, PAGE, Recovered, ssd_offsets, ssd_table_bytes
 from tests.unit.helpers import ssd_stores
 
@@ -115,10 +115,7 @@ class DiskIo(IoOps):
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
     """Wait until ``cond()`` holds (a deadline against hangs, not a timing assert)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
+    assert poll_until(cond, timeout_s, 0.005), "condition not reached"
 
 
 @pytest.fixture

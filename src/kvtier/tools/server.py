@@ -18,10 +18,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+
+def poll_until(cond: Callable[[], object], timeout_s: float, interval_s: float = 0.1) -> bool:
+    """Check ``cond()`` every ``interval_s`` until it holds (True) or
+    ``timeout_s`` has passed (False): a wait for another process."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
 
 
 def free_port() -> int:
