@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from kvtier.policy import EvictionPolicy, LruPolicy
 
 K = [bytes([i]) * 16 for i in range(8)]
@@ -102,3 +106,121 @@ def test_contains() -> None:
     assert K[0] in p and K[1] not in p
     p.remove(K[0])
     assert K[0] not in p
+
+
+class _LinkedReference:
+    """The order a walk must follow, kept the plain way: a doubly linked
+    list whose removed nodes keep their forward pointer, so a walk standing
+    on one goes on; a key moved while a walk is open gets a new node at the
+    recent end. Slow, obviously right; LruPolicy must yield the same."""
+
+    class Node:
+        def __init__(self, key: bytes | None = None) -> None:
+            self.prev = self.next = self
+            self.key, self.live = key, True
+
+    def __init__(self) -> None:
+        self.root = self.Node()
+        self.nodes: dict[bytes, _LinkedReference.Node] = {}
+
+    def _unlink(self, node: Node) -> None:
+        node.prev.next, node.next.prev, node.live = node.next, node.prev, False
+
+    def _append(self, key: bytes) -> None:
+        node, last = self.Node(key), self.root.prev
+        node.prev, node.next, last.next, self.root.prev = last, self.root, node, node
+        self.nodes[key] = node
+
+    def insert(self, key: bytes) -> None:
+        if key in self.nodes:
+            self._unlink(self.nodes[key])
+        self._append(key)
+
+    def touch(self, keys: list[bytes]) -> None:
+        for key in reversed(keys):
+            if key in self.nodes:
+                self.insert(key)
+
+    def remove(self, key: bytes) -> None:
+        if key in self.nodes:
+            self._unlink(self.nodes.pop(key))
+
+    def victims(self):
+        node = self.root.next
+        while node is not self.root:
+            if node.live:
+                yield node.key
+            node = node.next
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_walks_agree_with_a_linked_list_whatever_changes_during_them(seed: int) -> None:
+    # The store walks victims while it removes, skips (pinned) and, between
+    # walks, inserts and touches. Random interleavings of all of it, walks
+    # longer than one slice, two walks open at once.
+    rng = random.Random(seed)
+    keys = [i.to_bytes(16, "little") for i in range(300)]
+    got, ref = LruPolicy(), _LinkedReference()
+    for k in rng.sample(keys, 200):
+        got.insert(k)
+        ref.insert(k)
+    walks = [(got.victims(), ref.victims())]
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.35:
+            w_got, w_ref = rng.choice(walks)
+            a, b = next(w_got, None), next(w_ref, None)
+            assert a == b
+            if a is not None and rng.random() < 0.7:  # the store frees most of what it is offered
+                got.remove(a)
+                ref.remove(a)
+        elif op < 0.5:
+            k = rng.choice(keys)
+            got.remove(k)
+            ref.remove(k)
+        elif op < 0.65:
+            k = rng.choice(keys)
+            got.insert(k)
+            ref.insert(k)
+        elif op < 0.8:
+            batch = rng.sample(keys, rng.randrange(1, 80))
+            got.touch(batch)
+            ref.touch(batch)
+        elif op < 0.85 and len(walks) < 2:
+            walks.append((got.victims(), ref.victims()))
+        elif op < 0.9 and len(walks) > 1:
+            walks.pop(0)
+    for w_got, w_ref in walks:
+        assert list(w_got) == list(w_ref)
+    assert list(got.victims()) == list(ref.victims())
+    assert len(got) == len(ref.nodes)
+
+
+def test_a_walk_past_many_skipped_keys_reaches_the_rest() -> None:
+    # Pinned blocks stay at the cold end while the walk goes on past them:
+    # later slices start after the keys passed over, not at the front.
+    p = LruPolicy()
+    keys = [i.to_bytes(16, "little") for i in range(1000)]
+    for k in keys:
+        p.insert(k)
+    seen = []
+    for i, key in enumerate(p.victims()):
+        seen.append(key)
+        if i % 3 == 0:
+            p.remove(key)
+    assert seen == keys
+    assert list(p.victims()) == [k for i, k in enumerate(keys) if i % 3]
+
+
+def test_touch_told_all_held_orders_like_the_plain_touch_even_when_wrong() -> None:
+    a, b = LruPolicy(), LruPolicy()
+    for k in K[:6]:
+        a.insert(k)
+        b.insert(k)
+    a.touch([K[1], K[3]], all_held=True)
+    b.touch([K[1], K[3]])
+    assert list(a.victims()) == list(b.victims()) == [K[0], K[2], K[4], K[5], K[3], K[1]]
+    a.touch([K[4], K[7], K[0]], all_held=True)  # K7 is not held: the caller was wrong, no harm
+    b.touch([K[4], K[7], K[0]])
+    assert list(a.victims()) == list(b.victims())
+    assert len(a) == 6 and K[7] not in a

@@ -9,7 +9,9 @@ keys looks at about ten.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
+from itertools import islice
 
 
 class EvictionPolicy(ABC):
@@ -19,7 +21,10 @@ class EvictionPolicy(ABC):
     def insert(self, key: bytes) -> None: ...
 
     @abstractmethod
-    def touch(self, keys: Iterable[bytes]) -> None: ...
+    def touch(self, keys: Iterable[bytes], *, all_held: bool = False) -> None:
+        """Make ``keys`` the most recently used, the first most of all;
+        keys not held are passed over. ``all_held``: the caller knows every
+        key is held (a faster path; a key that is not still does no harm)."""
 
     @abstractmethod
     def remove(self, key: bytes) -> None: ...
@@ -33,93 +38,106 @@ class EvictionPolicy(ABC):
         skips the ones it cannot evict."""
 
 
-class _Node:
-    __slots__ = ("prev", "next", "key", "live")
-
-    def __init__(self, key: bytes | None = None) -> None:
-        self.prev: _Node = self
-        self.next: _Node = self
-        self.key = key
-        self.live = True
-
-
 class LruPolicy(EvictionPolicy):
-    """A doubly linked list through a dict of nodes, oldest first.
+    """An OrderedDict of keys, oldest first.
 
-    An OrderedDict (the earlier version) cannot be walked while it changes,
-    so ``victims`` had to copy every key first: a million keys copied to
-    evict ten. Here a removed key's node is unlinked but keeps its forward
-    pointer, so a walk standing on it goes on with the node that followed
-    it. A key moved while a walk is open gets a new node at the recent end
-    (the walk meets it there); with no walk open, its node is moved.
+    A touch is C calls only (``move_to_end`` mapped over the held keys): a
+    lookup of a 64k-token prompt in 16-token blocks touches 4,096 keys, and
+    a linked list of Python nodes cost twice as much (bench/pool.py lookup).
+
+    An OrderedDict cannot be iterated while it changes, so ``victims``
+    reads it in slices, each from the walk's place: the keys the walk has
+    yielded that are still held and were not moved since form a prefix of
+    the order, so the next slice starts after as many keys as that set
+    holds. A key moved (touched or inserted) while a walk is open is taken
+    out of that set and noted, so the walk skips it where its slice saw it
+    and meets it at the recent end; a key removed ahead is not yielded.
     """
 
+    _FIRST_SLICE = 32  # a walk's slices double from here: a short walk reads little
+
     def __init__(self) -> None:
-        self._root = _Node()
-        self._nodes: dict[bytes, _Node] = {}
-        self._walks = 0  # victims() generators not finished
-
-    def _unlink(self, node: _Node) -> None:
-        node.prev.next = node.next
-        node.next.prev = node.prev
-        node.live = False  # node.next stays: a walk standing here continues from it
-
-    def _append(self, key: bytes) -> None:
-        root = self._root
-        node = _Node(key)
-        node.prev, node.next = root.prev, root
-        root.prev.next = node
-        root.prev = node
-        self._nodes[key] = node
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+        self._walks: list[_Walk] = []  # victims() generators not finished
 
     def insert(self, key: bytes) -> None:
-        old = self._nodes.get(key)
-        if old is not None:
-            self._unlink(old)
-        self._append(key)
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+        else:
+            order[key] = None
+        for walk in self._walks:
+            walk.moved(key)
 
-    def touch(self, keys: Iterable[bytes]) -> None:
+    def touch(self, keys: Iterable[bytes], *, all_held: bool = False) -> None:
         # A prefix is touched front to back, so its first block ends up most
         # recent: under pressure the tail of a prefix goes before its head,
-        # which keeps the longest usable prefix alive. Inlined: a lookup
-        # touches every block of a long prompt on vLLM's scheduler thread.
-        nodes, root = self._nodes, self._root
-        for key in reversed(keys if isinstance(keys, (list, tuple)) else list(keys)):
-            node = nodes.get(key)
-            if node is None:
-                continue
-            prev, nxt = node.prev, node.next
-            prev.next = nxt
-            nxt.prev = prev
-            if self._walks:
-                node.live = False
-                node = _Node(key)
-                nodes[key] = node
-            last = root.prev
-            node.prev = last
-            node.next = root
-            last.next = node
-            root.prev = node
+        # which keeps the longest usable prefix alive. Unknown keys are
+        # passed over (filter), in C like the moves.
+        order = self._order
+        seq = keys if isinstance(keys, (list, tuple)) else list(keys)
+        if not self._walks:
+            if all_held:
+                try:
+                    deque(map(order.move_to_end, reversed(seq)), 0)
+                    return
+                except KeyError:
+                    pass  # one was not: moving them all again, filtered, gives the same order
+            deque(map(order.move_to_end, filter(order.__contains__, reversed(seq))), 0)
+            return
+        for key in reversed(seq):
+            if key in order:
+                order.move_to_end(key)
+                for walk in self._walks:
+                    walk.moved(key)
 
     def remove(self, key: bytes) -> None:
-        node = self._nodes.pop(key, None)
-        if node is not None:
-            self._unlink(node)
+        if self._order.pop(key, _ABSENT) is not _ABSENT:
+            for walk in self._walks:
+                walk.passed.discard(key)
 
     def victims(self) -> Iterator[bytes]:
-        self._walks += 1
+        walk = _Walk()
+        self._walks.append(walk)
+        order = self._order
+        size = self._FIRST_SLICE
         try:
-            root = self._root
-            node = root.next
-            while node is not root:
-                if node.live:
-                    yield node.key  # type: ignore[misc]
-                node = node.next
+            while True:
+                walk.since_slice.clear()  # moves before the slice are where the slice saw them
+                start = len(walk.passed)
+                chunk = list(islice(order, start, start + size))
+                if not chunk:
+                    return
+                for key in chunk:
+                    if key not in order or key in walk.since_slice:
+                        continue  # removed, or moved to the recent end: met there
+                    walk.passed.add(key)
+                    yield key
+                size = min(size * 2, 4096)
         finally:
-            self._walks -= 1
+            self._walks.remove(walk)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._nodes
+        return key in self._order
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._order)
+
+
+_ABSENT = object()
+
+
+class _Walk:
+    """An open ``victims`` walk: the keys it yielded that still stand where
+    it met them (a prefix of the order), and the keys moved since its
+    current slice was read."""
+
+    __slots__ = ("passed", "since_slice")
+
+    def __init__(self) -> None:
+        self.passed: set[bytes] = set()
+        self.since_slice: set[bytes] = set()
+
+    def moved(self, key: bytes) -> None:
+        self.passed.discard(key)
+        self.since_slice.add(key)
