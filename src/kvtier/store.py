@@ -104,7 +104,7 @@ class EntryState(enum.Enum):
     READY = "ready"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     slot: int
     state: EntryState
@@ -325,14 +325,33 @@ class TieredStore:
         (its pending "free once on SSD" is cancelled): the caller tells vLLM
         about the hit before it can pin it."""
         absent = False  # the run stopped at a key held nowhere in the node pool
+        # One pass over the keys with everything it touches in locals: a
+        # 64k-token prompt of 16-token blocks is 4,096 keys, and the lookup
+        # runs on vLLM's scheduler thread (or in the meta service for every
+        # instance). Keys not in DRAM are looked up on SSD together, at the
+        # first one met (SsdIndex.ready_many), not one by one.
+        ready_state, promoting = EntryState.READY, EntryState.PROMOTING
         with self._lock:
             ready = total = 0
             entries, ssd = self._entries, self._ssd_entries
+            on_ssd: list[bool] | None = None  # READY on SSD, for keys[base:]
+            base = 0
             for key in keys:
                 e = entries.get(key)
-                if e is not None and e.doomed:
+                if e is None:
+                    if ssd:
+                        if on_ssd is None:
+                            base = total
+                            on_ssd = ssd.ready_many(keys[base:])
+                        if on_ssd[total - base]:
+                            total += 1
+                            continue
+                    absent = True
                     break
-                if e is not None and e.state is EntryState.READY:
+                if e.doomed:
+                    break
+                state = e.state
+                if state is ready_state:
                     if e.evict_after:
                         # Evicted while its SSD copy is written: the I/O thread
                         # would free it between this lookup and the pin, and the
@@ -344,19 +363,15 @@ class TieredStore:
                         ready += 1
                     total += 1
                     continue
-                if e is not None and e.state is EntryState.PROMOTING:
+                if state is promoting:
                     total += 1
                     continue
-                s = ssd.get(key)
-                if e is None and s is not None and s.ready:
-                    total += 1
-                    continue
-                absent = e is None
-                break
+                break  # PENDING: being written, not readable yet
             self._c.lookups += 1
             self._c.lookup_hits += total
             if total:
-                self._policy.touch(keys[:total])
+                # Without a key found on SSD only, every key counted is in DRAM (in the policy).
+                self._policy.touch(keys[:total], all_held=on_ssd is None)
                 if self._dirty:
                     self._dirty.touch(keys[:total])
                 if ssd:

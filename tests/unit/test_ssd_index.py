@@ -280,3 +280,37 @@ def test_batch_removal_in_place_keeps_every_other_key_reachable() -> None:
         for key, slot in held.items():
             assert index[key].slot == slot
         assert not any(index.state(int(s)) >= SlotState.WRITING for s in batch)
+
+
+def test_batch_lookups_agree_with_one_key_at_a_time() -> None:
+    # find_many / ready_many walk every key's probe run at once (a long
+    # prompt's lookup); they must say what _find says for each key, with
+    # collisions, deletes, keys being written, unknown and odd-length keys.
+    rng = random.Random(11)
+    index = SsdIndex(400)
+    keys = colliding(index, 12) + [rng.randbytes(16) for _ in range(500)]
+    for key in keys[:380]:
+        put(index, key)
+    for key in rng.sample(keys[:380], 120):
+        index.remove(key)
+    writing = index.take()
+    assert writing is not None
+    index.begin_write(keys[390], writing[0])  # held, not ready
+    asked = rng.sample(keys, 300) + [b"short", K(10**6)]
+    for batch in (asked, asked[:5], asked[:100]):
+        want = [index._find(k)[1] if len(k) == 16 else -1 for k in batch]
+        assert index.find_many(batch).tolist() == want
+        assert index.ready_many(batch) == [s >= 0 and index.state(s) is SlotState.READY for s in want]
+    assert index.find_many([]).tolist() == []
+
+
+@pytest.mark.parametrize("n", [3, 200])  # key by key, and the batch form
+def test_touch_of_many_keys_orders_like_the_loop(n: int) -> None:
+    index = SsdIndex(512)
+    keys = [K(i) for i in range(n + 10)]
+    for key in keys:
+        put(index, key)
+    index.touch(keys[:n] + [keys[0], K(10**6)])  # a prefix, a repeat, an unknown key
+    order = index.victims(n + 10).tolist()
+    # Untouched first, then the prefix from its tail to its head.
+    assert order == [index[k].slot for k in keys[n:]] + [index[k].slot for k in reversed(keys[:n])]

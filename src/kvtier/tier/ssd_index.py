@@ -66,6 +66,9 @@ _REBUILD_SHARE = 1 / 16
 # 1 % of the slots, at least 64 and at most this, keeps the pause bounded
 # (docs/benchmarks.md); the rest of the room is freed by the next calls.
 EVICT_BATCH_MAX = 65_536
+# Below this many keys, a lookup or touch goes key by key: a few numpy calls
+# cost more than a short loop.
+_VECTOR_MIN = 48
 
 
 def eviction_batch(num_slots: int) -> int:
@@ -314,20 +317,72 @@ class SsdIndex:
     def state(self, slot: int) -> SlotState:
         return SlotState(self._st[slot])
 
+    def find_many(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Slots of ``keys`` (int64, -1 where not held), vectorised.
+
+        The lookup of a long prompt asks for thousands of keys at once; one
+        :meth:`_find` per key costs ~0.3 us each in Python. Here every key
+        walks its probe run in the same rounds :meth:`_delete_many` uses, a
+        few array passes per round. A key that is not 16 bytes is never held.
+        """
+        n = len(keys)
+        out = np.full(n, -1, dtype=np.int64)
+        if not n or not self._count:
+            return out
+        if n < _VECTOR_MIN:
+            for i, key in enumerate(keys):
+                out[i] = self._find(key)[1]
+            return out
+        joined = b"".join(keys)
+        if len(joined) != n * KEY_BYTES or any(len(k) != KEY_BYTES for k in keys):
+            for i, key in enumerate(keys):
+                out[i] = self._find(key)[1] if len(key) == KEY_BYTES else -1
+            return out
+        want = np.frombuffer(joined, dtype="<u8").reshape(n, 2)
+        with np.errstate(over="ignore"):
+            h = (want[:, 0] ^ want[:, 1]) * np.uint64(_MIX)
+        pos = (h >> np.uint64(self._shift)).astype(np.int64)
+        idx = np.arange(n)
+        table, held, mask = self._table, self._keys, self._mask
+        while idx.size:
+            s = table[pos].astype(np.int64)
+            empty = s < 0
+            match = ~empty & (held[np.maximum(s, 0)] == want[idx]).all(axis=1)
+            out[idx[match]] = s[match]
+            go = ~(empty | match)
+            idx, pos = idx[go], (pos[go] + 1) & mask
+        return out
+
+    def ready_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is READY (readable), vectorised."""
+        slots = self.find_many(keys)
+        held = slots >= 0
+        ok = np.zeros(len(slots), dtype=bool)
+        ok[held] = self._state[slots[held]] == _READY
+        return ok.tolist()
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Make ``keys`` the most recently used, the first one most of all.
 
         A prefix is touched front to back, so under pressure its tail goes
         before its head, which keeps the longest usable prefix alive.
         """
-        rec = self._rec
-        clock = self._clock
-        for key in reversed(keys):
-            slot = self._find(key)[1]
-            if slot >= 0:
-                clock += 1
-                rec[slot] = clock
-        self._clock = clock
+        if len(keys) < _VECTOR_MIN:
+            rec = self._rec
+            clock = self._clock
+            for key in reversed(keys):
+                slot = self._find(key)[1]
+                if slot >= 0:
+                    clock += 1
+                    rec[slot] = clock
+            self._clock = clock
+            return
+        slots = self.find_many(keys)
+        held = slots[slots >= 0][::-1]  # the last key first: the first key ends most recent
+        if held.size:
+            # A key given twice keeps its later stamp (its first place), as the loop above does.
+            self._recency[held] = np.arange(self._clock + 1, self._clock + 1 + held.size, dtype=np.int64)
+            self._clock += int(held.size)
 
     # --- writes ---------------------------------------------------------------
 
