@@ -149,7 +149,7 @@ def test_a_silent_session_loses_its_lease(tmp_path: Path) -> None:
         raw = socket.create_connection(("127.0.0.1", int(svc.address.rsplit(":", 1)[1])))
         raw.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "hung", 1, 1, RANK_BYTES)))
         assert isinstance(wire.decode_server(wire.recv_frame(raw)), wire.Welcome)
-        raw.sendall(wire.encode(wire.Pin(1, 1, ks)))
+        raw.sendall(wire.encode(wire.Pin(1, 1, wire.pack_keys(ks))))
         assert wire.decode_server(wire.recv_frame(raw)).slots != [-1, -1, -1]  # type: ignore[union-attr]
         assert svc.accounting()["pins"] == 3
         deadline = time.monotonic() + 10
@@ -202,7 +202,7 @@ def _answer(s: socket.socket) -> object:
     struct.pack("<I", wire.MAX_FRAME + 1),
     struct.pack("<I", 8) + random.Random(8).randbytes(8),
     wire.encode(wire.Hello(wire.PROTOCOL_VERSION + 1, "", "x", 1, 1, RANK_BYTES)),
-    wire.encode(wire.Probe(1, [b"k" * 16])),
+    wire.encode(wire.Probe(1, b"k" * 16)),
 ], ids=["truncated", "oversized", "random-bytes", "wrong-version", "no-hello-first"])
 def test_bad_frames_are_refused_and_the_service_keeps_serving(service: MetaService, frame: bytes) -> None:
     good = client(service)
@@ -223,7 +223,7 @@ def test_a_key_of_the_wrong_length_ends_only_that_session(service: MetaService) 
     s = _raw(service)
     s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "bad", 1, 1, RANK_BYTES)))
     assert isinstance(_answer(s), wire.Welcome)
-    s.sendall(wire.encode(wire.Probe(5, [b"short"])))
+    s.sendall(wire.encode(wire.Probe(5, b"k" * 16 + b"short")))
     reply = _answer(s)
     assert isinstance(reply, wire.Error) and "16" in reply.message
     assert _answer(s) is None  # closed
@@ -285,3 +285,14 @@ def test_counters_are_asked_of_the_service_once_per_interval(service: MetaServic
     monkeypatch.setattr(pool_client, "COUNTERS_EVERY_S", 0.0)
     assert c.counters()["dram_slots_used"] == 3
     c.shutdown()
+
+
+def test_keys_travel_whole_whatever_their_bytes() -> None:
+    # One blob on the wire, split back in C: keys ending in zero bytes (a
+    # NUL-stripping split would shorten them) and all-zero keys come back whole.
+    ks = [bytes(16), b"\x01" + bytes(15), bytes(15) + b"\x02", random.Random(3).randbytes(16)]
+    msg = wire.decode_client(wire.encode(wire.Probe(1, wire.pack_keys(ks)))[4:])
+    assert isinstance(msg, wire.Probe) and wire.unpack_keys(msg.keys) == ks
+    assert wire.unpack_keys(wire.pack_keys([])) == []
+    with pytest.raises(ValueError, match="16 bytes"):
+        wire.pack_keys([bytes(16), b"short"])

@@ -211,11 +211,11 @@ class PoolPlacement:
     def probe(self, keys: Sequence[bytes]) -> Probe:
         if not keys:
             return Probe(0, 0)
-        r = self._call(wire.Probe(0, list(keys)))
+        r = self._call(wire.Probe(0, wire.pack_keys(keys)))
         return Probe(r.ready, r.total, r.remote) if isinstance(r, wire.ProbeReply) else Probe(0, 0)
 
     def promote(self, keys: Sequence[bytes]) -> int:
-        r = self._call(wire.Promote(0, list(keys)))
+        r = self._call(wire.Promote(0, wire.pack_keys(keys)))
         return r.n if isinstance(r, wire.Count) else 0
 
     def wait_progress(self, timeout_s: float) -> None:
@@ -223,13 +223,13 @@ class PoolPlacement:
             time.sleep(min(timeout_s, 0.001))
 
     def pin(self, keys: Sequence[bytes], step: int) -> list[int | None]:
-        r = self._call(wire.Pin(0, step, list(keys))) if keys else None
+        r = self._call(wire.Pin(0, step, wire.pack_keys(keys))) if keys else None
         if not isinstance(r, wire.Slots) or len(r.slots) != len(keys):
             return [None] * len(keys)
         return [None if x < 0 else x for x in r.slots]
 
     def prepare_save(self, keys: Sequence[bytes], step: int) -> SaveSlots:
-        r = self._call(wire.PrepareSave(0, step, list(keys))) if keys else None
+        r = self._call(wire.PrepareSave(0, step, wire.pack_keys(keys))) if keys else None
         if not isinstance(r, wire.Slots) or len(r.slots) != len(keys):
             # Pool down: the saves are dropped, not retried (they are settled).
             return SaveSlots([None] * len(keys), placed=len(keys))
@@ -243,7 +243,7 @@ class PoolPlacement:
         return r.n if isinstance(r, wire.Count) else 0
 
     def discard(self, keys: Iterable[bytes]) -> int:
-        r = self._call(wire.Discard(0, list(keys)))
+        r = self._call(wire.Discard(0, wire.pack_keys(keys)))
         return r.n if isinstance(r, wire.Count) else 0
 
     def doom_pending(self, after_step: int) -> int:

@@ -390,33 +390,35 @@ class MetaService:
         owner = s.id
         reply: wire.Reply
         if isinstance(msg, wire.Probe):
-            p = store.probe(msg.keys)
+            keys = wire.unpack_keys(msg.keys)
+            p = store.probe(keys)
             with self._lock:
                 tally = self._lookups.setdefault(s.name, [0, 0, 0, 0])
-                tally[0] += len(msg.keys)
+                tally[0] += len(keys)
                 tally[1] += p.ready
                 tally[2] += p.total - p.ready - p.remote
                 tally[3] += p.remote
             reply = wire.ProbeReply(msg.id, p.ready, p.total, p.remote)
         elif isinstance(msg, wire.Pin):
-            reply = wire.Slots(msg.id, [-1 if x is None else x for x in store.pin(msg.keys, msg.step, owner=owner)],
-                               len(msg.keys))
+            keys = wire.unpack_keys(msg.keys)
+            reply = wire.Slots(msg.id, [-1 if x is None else x for x in store.pin(keys, msg.step, owner=owner)],
+                               len(keys))
         elif isinstance(msg, wire.PrepareSave):
-            got = store.prepare_save(msg.keys, msg.step, owner=owner)
+            got = store.prepare_save(wire.unpack_keys(msg.keys), msg.step, owner=owner)
             reply = wire.Slots(msg.id, [-1 if x is None else x for x in got], got.placed)
         elif isinstance(msg, wire.CompleteStep):
             failed = range(store.tier.num_slots) if msg.all_failed else msg.failed_slots
             store.complete_step(msg.step, failed_slots=failed, owner=owner)
             reply = wire.Ok(msg.id)
         elif isinstance(msg, wire.Promote):
-            reply = wire.Count(msg.id, store.promote(msg.keys))
+            reply = wire.Count(msg.id, store.promote(wire.unpack_keys(msg.keys)))
         elif isinstance(msg, wire.WaitProgress):
             store.wait_progress(min(max(msg.timeout_ms, 0), 100) / 1000)
             reply = wire.Ok(msg.id)
         elif isinstance(msg, wire.AbandonSaves):
             reply = wire.Count(msg.id, store.abandon_saves(msg.step, owner=owner))
         elif isinstance(msg, wire.Discard):
-            reply = wire.Count(msg.id, store.discard(msg.keys))
+            reply = wire.Count(msg.id, store.discard(wire.unpack_keys(msg.keys)))
         elif isinstance(msg, wire.DoomPending):
             reply = wire.Count(msg.id, store.doom_pending(msg.after_step, owner=owner))
         elif isinstance(msg, wire.Reset):
