@@ -2,8 +2,9 @@
 
 As root, node 2 runs in a network namespace of its own, joined to node 1
 by a veth pair (10.211.x.1 and 10.211.x.2: two real addresses on a private
-link, nothing leaves the machine); elsewhere the nodes take 127.0.0.2 and
-127.0.0.3.
+link, nothing leaves the machine; see :mod:`tests.netns`); elsewhere, or
+with ``KVTIER_TEST_LOOPBACK=1``, the nodes take 127.0.0.2 and 127.0.0.3.
+The run's output says which, in one line.
 
 Node 1 runs ``kvtier meta`` (its pool, and Mooncake's master as its child);
 node 2 runs ``kvtier meta --role local`` (its own pool at
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,55 +35,25 @@ from kvtier.pool.client import PoolPlacement  # noqa: E402
 from kvtier.tier.dram import DramTier, checksum  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
 from kvtier.tools.server import free_port, parse_metrics  # noqa: E402
+from tests.netns import NodeLink, announce  # noqa: E402
 from tests.unit.helpers import wait_for  # noqa: E402
 
 RANK_BYTES = 16 << 10
 
 
-class Link:
-    """The two nodes' addresses, and what node 2's processes run under."""
-
-    def __init__(self) -> None:
-        self.ns = ""
-        self.node1, self.node2, self.prefix = "127.0.0.2", "127.0.0.3", []
-        if os.geteuid() != 0:
-            return
-        tag = f"{os.getpid() % 250 + 1}"
-        ns, a, b = f"kvt-n2-{tag}", f"kvt{tag}a", f"kvt{tag}b"
-        cmds = [["ip", "netns", "add", ns], ["ip", "link", "add", a, "type", "veth", "peer", "name", b],
-                ["ip", "link", "set", b, "netns", ns], ["ip", "addr", "add", f"10.211.{tag}.1/24", "dev", a],
-                ["ip", "link", "set", a, "up"],
-                ["ip", "netns", "exec", ns, "ip", "addr", "add", f"10.211.{tag}.2/24", "dev", b],
-                ["ip", "netns", "exec", ns, "ip", "link", "set", b, "up"],
-                ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
-        try:
-            for cmd in cmds:
-                subprocess.run(cmd, check=True, capture_output=True, timeout=10)
-                self.ns = ns
-        except (OSError, subprocess.SubprocessError):
-            self.close()
-            return
-        self.node1, self.node2, self.prefix = f"10.211.{tag}.1", f"10.211.{tag}.2", ["ip", "netns", "exec", ns]
-
-    def close(self) -> None:
-        if self.ns:
-            subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=10)
-            self.ns = ""
-
-
-def write_node_configs(folder: Path, link: Link, master_node_port: int, master_port: int,
+def write_node_configs(folder: Path, link: NodeLink, master_node_port: int, master_port: int,
                        node2: bool) -> tuple[Path, Path]:
     shm = folder / "shm"
     shm.mkdir(parents=True, exist_ok=True)
-    here = link.node2 if node2 else link.node1
+    here = link.addresses[2 if node2 else 1]
     meta = folder / "mmc-meta.conf"
-    meta.write_text(f"ock.mmc.meta_service_url = tcp://{link.node1}:{master_node_port}\n"
+    meta.write_text(f"ock.mmc.meta_service_url = tcp://{link.addresses[1]}:{master_node_port}\n"
                     f"ock.mmc.meta_service.metrics_url = http://{here}:{free_port()}\n"
                     "kvtier.cluster.enabled = true\n"
                     f"kvtier.cluster.master_port = {master_port}\n"
                     f"kvtier.cluster.master_metrics_port = {master_port + 1}\n")
     local = folder / "mmc-local.conf"
-    local.write_text(f"ock.mmc.meta_service_url = tcp://{link.node1}:{master_node_port}\n"
+    local.write_text(f"ock.mmc.meta_service_url = tcp://{link.addresses[1]}:{master_node_port}\n"
                      "ock.mmc.local_service.dram.size = 8MB\n"
                      "ock.mmc.local_service.world_size = 1\n"
                      f"kvtier.shm_dir = {shm}\n"
@@ -98,12 +68,12 @@ def write_node_configs(folder: Path, link: Link, master_node_port: int, master_p
 
 
 class Node:
-    def __init__(self, folder: Path, link: Link, master_node_port: int, master_port: int, second: bool) -> None:
+    def __init__(self, folder: Path, link: NodeLink, master_node_port: int, master_port: int, second: bool) -> None:
         self.meta_conf, self.local_conf = write_node_configs(folder, link, master_node_port, master_port, second)
         # A worker node has only its local file: the meta file is the master node's.
         args = ["--role", "local"] if second else ["--cluster-log", str(folder / "master.log")]
         self.proc = MetaProcess(self.local_conf if second else self.meta_conf, self.local_conf,
-                                log_path=folder / "meta.log", args=args, prefix=link.prefix if second else None)
+                                log_path=folder / "meta.log", args=args, prefix=link.prefix(2 if second else 1))
 
     def client(self, name: str) -> PoolPlacement:
         return PoolPlacement(self.proc.address, ranks=1, rank_bytes=RANK_BYTES, name=name)
@@ -113,12 +83,13 @@ class Node:
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
-    link = Link()
-    port, master_port = free_port(), free_port_pair()
-    n1 = Node(tmp_path_factory.mktemp("node1"), link, port, master_port, second=False)
-    n2 = Node(tmp_path_factory.mktemp("node2"), link, port, master_port, second=True)
+def nodes(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[tuple[Node, Node]]:
+    link = NodeLink(isolate=(False, True))  # node 1 in the machine's namespace, where the test runs
+    announce(pytestconfig, f"test_cluster_nodes: {link.describe()}")
     try:
+        port, master_port = free_port(), free_port_pair()
+        n1 = Node(tmp_path_factory.mktemp("node1"), link, port, master_port, second=False)
+        n2 = Node(tmp_path_factory.mktemp("node2"), link, port, master_port, second=True)
         n1.proc.start()
         try:
             n2.proc.start()
