@@ -27,7 +27,14 @@ def save(w: WorkerSide, tier, step: int, block_id: int, slot: int, key: bytes) -
     assert w.build_report().failed_slots == []
 
 
-def test_a_sealed_block_whose_bytes_changed_fails_its_checksum_and_drops_the_steps_saves(worker_and_tier):
+# "copying": the CPU path, each block checked as it is copied; "after": the
+# check on a thread during the forward pass (device copies; here forced by
+# taking memmove away).
+@pytest.mark.parametrize("checked", ["copying", "after"])
+def test_a_sealed_block_whose_bytes_changed_fails_its_checksum_and_drops_the_steps_saves(worker_and_tier, checked,
+                                                                                       monkeypatch):
+    if checked == "after":
+        monkeypatch.setattr("kvtier.connector.copy._MEMMOVE", False)
     w, tier, kv = worker_and_tier
     save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
     expected = kv[2].clone()
@@ -43,6 +50,8 @@ def test_a_sealed_block_whose_bytes_changed_fails_its_checksum_and_drops_the_ste
     assert report.failed_slots == [1, 2]
     assert not tier.is_sealed(1, b"b" * 16) and not tier.is_sealed(2, b"c" * 16)
     assert not torch.equal(kv[9], expected)  # copied, but reported: vLLM recomputes it
+    assert (w._verifying_copies == [] and w._pool is None) if checked == "copying" else w._pool is not None
+    assert w.get_kv_connector_stats().data.get("blocks_loaded", 0) == 0  # a load error, not a load
 
 
 def test_an_intact_block_loads_without_error(worker_and_tier):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connector.copy import gather_blocks, scatter_blocks, slot_matrix
+from kvtier.connector.copy import can_check_while_copying, gather_blocks, scatter_blocks, scatter_checked, slot_matrix
 from kvtier.layout import KvLayout, LayoutKind, block_major, block_run, detect_kind, kv_bytes_per_token
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
@@ -331,3 +331,37 @@ def test_layers_with_other_strides_are_refused() -> None:
     assert KvLayout.from_kv_caches({"a": strided}, NUM_BLOCKS).dense_blocks
     gaps = torch.zeros(NUM_BLOCKS, HEADS, BLOCK_TOKENS, 4 * HEAD_SIZE)[..., : 2 * HEAD_SIZE]
     assert not KvLayout.from_kv_caches({"a": gaps}, NUM_BLOCKS).dense_blocks
+
+
+def test_scatter_checked_copies_like_scatter_and_checks_each_block_once_copied(make_tier, capacity_for) -> None:
+    # The CPU load path: each block's layers, then its check, block by block.
+    # Same bytes as scatter_blocks; the check of block i runs once block i
+    # is whole in vLLM's tensors; what it refuses comes back by position.
+    kind = LayoutKind.CPU
+    kv, layout, layers, tier, slots = bf16_arena(make_tier, capacity_for, kind, layers=3, seed=5)
+    assert can_check_while_copying(layers, layout)
+    # A layout whose blocks are not one run each (K and V planes apart) takes the other path.
+    fkv = random_kv(LayoutKind.FLASH, torch.bfloat16, layers=2, seed=6)
+    flash = KvLayout.from_kv_caches(fkv, NUM_BLOCKS)
+    assert not can_check_while_copying([block_major(fkv[n], LayoutKind.FLASH) for n in flash.layer_names], flash)
+    gather_blocks(layers, layout, [2, 3, 5], slots, [0, 1, 2])
+    before = {n: t.clone() for n, t in kv.items()}
+    for bm in layers:
+        bm[[7, 0, 4]] = 0
+    seen = []
+
+    def check(i: int) -> bool:
+        b = [7, 0, 4][i]
+        seen.append(i)
+        for n in layout.layer_names:  # this block is already copied, in every layer
+            assert torch.equal(bits(block_major(kv[n], kind)[b]), bits(block_major(before[n], kind)[[2, 3, 5][i]]))
+        return i != 1
+
+    assert scatter_checked(layers, layout, [7, 0, 4], slots, [0, 1, 2], check) == [1]
+    assert seen == [0, 1, 2]
+    for n in layout.layer_names:
+        after, prev = block_major(kv[n], kind), block_major(before[n], kind)
+        for b, src in ((7, 2), (0, 3), (4, 5)):
+            assert torch.equal(bits(after[b]), bits(prev[src]))
+        for b in (1, 2, 3, 5, 6):
+            assert torch.equal(bits(after[b]), bits(prev[b]))

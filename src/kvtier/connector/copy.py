@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -97,6 +97,40 @@ def scatter_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: 
     for i, bm in enumerate(layers):
         raw = slots[s_idx, first_layer + i, :nbytes]  # (n, nbytes) gathered copy
         bm[b_idx] = raw.view(layout.dtype).view(n, *bm.shape[1:]).to(dev)
+
+
+def can_check_while_copying(layers: Sequence[torch.Tensor], layout: KvLayout) -> bool:
+    """Whether :func:`scatter_checked` applies: CPU KV, dense blocks, memmove."""
+    return bool(layers) and _MEMMOVE and layout.dense_blocks and layers[0].device.type == "cpu"
+
+
+def scatter_checked(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
+                    slots: torch.Tensor, slot_ids: Sequence[int], check: Callable[[int], bool]) -> list[int]:
+    """:func:`scatter_blocks` block by block, each block's layers then
+    ``check(i)`` for the ``i``-th block, while the bytes the copy just read
+    are still in the cache; returns the positions whose check failed (their
+    copies are in vLLM's blocks, which the caller reports as load errors).
+
+    For the checksum pass over a loaded block (:meth:`DramTier.verify`):
+    run on a thread of its own after the copies, it read the slots again
+    from memory and competed with the forward pass for the cores (5.2 ms
+    for 127 blocks of 512 KiB beside 3.7 ms of copies, all of it on the
+    TTFT); here it reads them from the cache, 0.8 ms more than the copies
+    alone (docs/benchmarks.md). Only for :func:`can_check_while_copying`.
+    """
+    nbytes = layout.layer_block_bytes
+    slot_base = slots.data_ptr()
+    s_stride, l_stride = slots.stride(0), slots.stride(1)
+    bases = [(bm.data_ptr(), bm.stride(0) * bm.element_size()) for bm in layers]
+    bad = []
+    memmove = ctypes.memmove
+    for i, (b, s) in enumerate(zip(block_ids, slot_ids)):
+        slot = slot_base + s * s_stride
+        for j, (base, stride) in enumerate(bases):
+            memmove(base + b * stride, slot + j * l_stride, nbytes)
+        if not check(i):
+            bad.append(i)
+    return bad
 
 
 def _copy_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],

@@ -55,7 +55,8 @@ from typing import Any
 
 import torch
 
-from kvtier.connector.copy import StreamCopies, gather_blocks, scatter_blocks, slot_matrix
+from kvtier.connector.copy import (StreamCopies, can_check_while_copying, gather_blocks, scatter_blocks,
+                                  scatter_checked, slot_matrix)
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import KvtierStats
 from kvtier.hostmem import PinnedRegion, pin_host_memory
@@ -215,28 +216,49 @@ class WorkerSide:
             if c.slot >= 0 and self._report is not None:
                 # Published but not sealed for this key: the index must forget it.
                 self._report.corrupt_keys.append(c.key)
+        checked = self.verify_checksums and self._copies is None and can_check_while_copying(self._layers,
+                                                                                             self.layout)
+        bad: list[BlockCopy] = []
         try:
             if self._copies is not None:
                 self._copies.load(self._layers, self.layout, [c.block_id for c in good], self._slots,
                                   [c.slot for c in good])
+            elif checked:
+                # CPU: each block's checksum right after its copy, from the
+                # cache (scatter_checked); a block that fails is a load error
+                # now, before the forward pass reads it.
+                rank = self.rank
+
+                def check(i: int) -> bool:
+                    try:
+                        return tier.verify(good[i].slot, good[i].key, rank, check_data=True)
+                    except Exception:  # noqa: BLE001 - anything wrong is a miss
+                        log.exception("kvtier: verifying slot %d failed", good[i].slot)
+                        return False
+
+                bad = [good[i] for i in scatter_checked(self._layers, self.layout, [c.block_id for c in good],
+                                                        self._slots, [c.slot for c in good], check)]
             else:
                 scatter_blocks(self._layers, self.layout, [c.block_id for c in good], self._slots,
                                [c.slot for c in good])
         except Exception:  # noqa: BLE001
             log.exception("kvtier: loading %d blocks failed; vLLM recomputes them", len(good))
             self._load_errors.update(c.block_id for c in good)
-            good = []
-        if good and self.verify_checksums:
-            # Checksums are verified while the forward pass runs (xxhash
-            # releases the GIL) and joined before vLLM asks for load errors at
+            good, bad = [], []
+        self._stats.add("blocks_loaded", len(good))
+        self._stats.add("bytes_loaded", len(good) * self.layout.block_bytes)
+        if bad:
+            self._count_bad(bad)
+        if good and self.verify_checksums and not checked:
+            # Device copies (and CPU layouts memmove cannot take): checksums
+            # are verified while the forward pass runs (xxhash releases the
+            # GIL) and joined before vLLM asks for load errors at
             # the end of this step: a block that fails is reported then, vLLM
             # drops the token this step sampled and recomputes the block, so
             # nothing computed from it is ever served. Verifying before the
             # copy put the whole pass on the critical path (docs/benchmarks.md).
             self._verifying = self._verifier().submit(self._verify, good)
             self._verifying_copies = good
-        self._stats.add("blocks_loaded", len(good))
-        self._stats.add("bytes_loaded", len(good) * self.layout.block_bytes)
         self._stats.add("load_seconds", time.perf_counter() - t0)
 
     def _verifier(self) -> ThreadPoolExecutor:
@@ -270,12 +292,17 @@ class WorkerSide:
             self._step_load_failed = True
             return
         if bad:
-            log.warning("kvtier: %d loaded blocks failed their checksum; vLLM recomputes them", len(bad))
-            self._load_errors.update(c.block_id for c in bad)
-            self._stats.add("blocks_loaded", -len(bad))
-            self._stats.add("bytes_loaded", -len(bad) * self.layout.block_bytes)
-            if self._report is not None:
-                self._report.corrupt_keys.extend(c.key for c in bad)
+            self._count_bad(bad)
+
+    def _count_bad(self, bad: list[BlockCopy]) -> None:
+        """Loaded blocks that failed their checksum: load errors (vLLM
+        recomputes them), not loads, and keys the index must forget."""
+        log.warning("kvtier: %d loaded blocks failed their checksum; vLLM recomputes them", len(bad))
+        self._load_errors.update(c.block_id for c in bad)
+        self._stats.add("blocks_loaded", -len(bad))
+        self._stats.add("bytes_loaded", -len(bad) * self.layout.block_bytes)
+        if self._report is not None:
+            self._report.corrupt_keys.extend(c.key for c in bad)
 
     def fail_loads(self, plan: StepPlan) -> None:
         """Report every load of ``plan`` as failed (after an unexpected error)."""
