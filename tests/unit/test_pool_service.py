@@ -23,6 +23,7 @@ from kvtier.pool import wire
 from kvtier.pool.client import PoolPlacement, PoolRefused
 from kvtier.pool.service import MetaService, ServiceOptions
 from kvtier.tier.dram import DramTier, checksum
+from kvtier.tools.server import poll_until
 
 RANK_BYTES = 4096
 
@@ -271,19 +272,45 @@ def test_unix_socket_is_owner_only(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-def test_counters_are_asked_of_the_service_once_per_interval(service: MetaService,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    # vLLM reads the counters every engine step; an instance asks the service
-    # for them at most once per interval and serves the last values between.
+def test_counters_are_read_from_the_services_page_without_a_call(service: MetaService) -> None:
+    # vLLM reads the counters every engine step, before the step's tokens
+    # go out: an instance reads the page the service rewrites in shared
+    # memory, and never calls the service for them.
+    c = client(service)
+    assert c.counters()["dram_slots_used"] == 0
+    save(c, keys(41, 3), step=1)
+    calls = c._next_id
+    assert poll_until(lambda: c.counters()["dram_slots_used"] == 3, timeout_s=10)  # the page shows the saves
+    assert c._next_id == calls  # read, not asked
+    page = Path(c._page.path)
+    assert page.parent == Path(service.opts.store.shm_dir) and page.stat().st_mode & 0o777 == 0o600
+    c.shutdown()
+    service.stop()
+    assert not page.exists()  # the service's own file, gone with it
+
+
+def test_without_the_page_counters_are_asked_of_the_service_once_per_interval(
+        service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A page that cannot be mapped (another user's folder, a full /dev/shm
+    # at the service's start): the instance asks the service, at most once
+    # per interval, and serves the last values between.
     import kvtier.pool.client as pool_client
+
+    def refuse(path: str):
+        raise OSError(13, "Permission denied")
+
+    monkeypatch.setattr(pool_client.StatsPage, "attach", staticmethod(refuse))
     monkeypatch.setattr(pool_client, "COUNTERS_EVERY_S", 3600.0)
     c = client(service)
     first = c.counters()
     assert first["dram_slots_used"] == 0
     save(c, keys(40, 3), step=1)
+    calls = c._next_id
     assert c.counters() == first  # within the interval: no call, the last values
+    assert c._next_id == calls
     monkeypatch.setattr(pool_client, "COUNTERS_EVERY_S", 0.0)
     assert c.counters()["dram_slots_used"] == 3
+    assert c._next_id == calls + 1
     c.shutdown()
 
 

@@ -50,12 +50,15 @@ from kvtier.config import ClusterConfig, KvtierConfig
 from kvtier.errors import ConfigError
 from kvtier.placement import close_store, open_store
 from kvtier.pool import wire
+from kvtier.pool.statspage import StatsPage
 from kvtier.store import TieredStore
 from kvtier.tier.dram import DramTier, remove_stale_files
 
 log = logging.getLogger(__name__)
 
 ARENA_PREFIX = "kvtier-pool-"
+STATS_PREFIX = "kvtier-poolstats-"  # the counters page beside the arena (pool/statspage.py)
+STATS_EVERY_S = 0.1  # how often the counters page is rewritten
 HELLO_MAX = 64 << 10  # bytes a handshake may take, before the client is known
 _LOW_STEP = -(1 << 62)
 
@@ -109,6 +112,8 @@ class MetaService:
         self._where = parse_url(opts.url)
         tag = opts.name or xxhash.xxh64_hexdigest(opts.url.encode())[:12]
         self._arena_stem = os.path.join(opts.store.shm_dir, f"{ARENA_PREFIX}{tag}-")
+        self._stats_stem = os.path.join(opts.store.shm_dir, f"{STATS_PREFIX}{tag}-")
+        self._stats_page: StatsPage | None = None
         self._grace_s = (opts.slot_grace_ms if opts.slot_grace_ms is not None else 3 * opts.lease_ttl_ms) / 1000
         self.store: TieredStore | None = None
         self._adoptable: DramTier | None = None  # a dead service's arena, owned now, not yet in use
@@ -157,6 +162,7 @@ class MetaService:
                 log.info("kvtier meta: found the arena %s of a service that died; its blocks that verify are "
                          "adopted", path)
                 break
+        remove_stale_files(shm, os.path.basename(self._stats_stem))
         removed = remove_stale_files(shm, stem)
         if removed:
             log.info("kvtier meta: removed %d arenas left by a service that died", len(removed))
@@ -193,6 +199,7 @@ class MetaService:
         self._sock = sock
         self._spawn(self._accept_loop, "kvtier-meta-accept")
         self._spawn(self._lease_loop, "kvtier-meta-leases")
+        self._spawn(self._stats_loop, "kvtier-meta-stats")
         log.info("kvtier meta: listening on %s", self.address)
 
     def _spawn(self, target: Callable[..., None], name: str, *args: object) -> threading.Thread:
@@ -225,6 +232,9 @@ class MetaService:
             if self.store is not None:
                 close_store(self.store)
                 self.store = None
+            if self._stats_page is not None:
+                self._stats_page.close()
+                self._stats_page = None
             if self._adoptable is not None:
                 if keep_adoptable:
                     self._adoptable.owner = False  # closed, not removed
@@ -246,6 +256,12 @@ class MetaService:
                 self.store = open_store(self.opts.store, arena, rank_bytes, ranks, fingerprint, reaper=False,
                                         tier=old if adopt else None, cluster=self.opts.cluster)
                 self.geometry = (ranks, rank_bytes)
+                try:
+                    self._stats_page = StatsPage.create(self._stats_stem + secrets.token_hex(4))
+                    self._stats_page.write(self.store.counters())
+                except OSError as err:  # instances ask for the counters instead
+                    log.warning("kvtier meta: no counters page in %s (%s); instances ask for counters",
+                                self.opts.store.shm_dir, err)
                 if adopt:
                     try:
                         tier = self.store.tier
@@ -376,8 +392,10 @@ class MetaService:
             session = Session(sid, msg.name or f"pid {msg.pid}", msg.pid, conn, peer)
             self._sessions[sid] = session
             self.sessions_started += 1
+        page = self._stats_page
         conn.sendall(wire.encode(wire.Welcome(wire.PROTOCOL_VERSION, sid, store.tier.path, store.tier.num_slots,
-                                              self.opts.lease_ttl_ms, store.ssd is not None)))
+                                              self.opts.lease_ttl_ms, store.ssd is not None,
+                                              page.path if page is not None else "")))
         log.info("kvtier meta: session %d: %s (pid %d) from %s", sid, session.name, msg.pid, peer)
         return session
 
@@ -436,6 +454,18 @@ class MetaService:
         return reply
 
     # --- leases -----------------------------------------------------------
+
+    def _stats_loop(self) -> None:
+        """Rewrite the counters page a few times a second (instances read it: no call)."""
+        while not self._stop.wait(STATS_EVERY_S):
+            with self._lock:
+                store, page = self.store, self._stats_page
+            if store is None or page is None:
+                continue
+            try:
+                page.write(store.counters())
+            except Exception:  # noqa: BLE001 - statistics never stop the service
+                log.exception("kvtier meta: writing the counters page failed")
 
     def _lease_loop(self) -> None:
         ttl = self.opts.lease_ttl_ms / 1000

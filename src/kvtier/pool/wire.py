@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 2: ProbeReply.remote (the cluster tier); 3: keys travel as one blob
+PROTOCOL_VERSION = 3  # 2: ProbeReply.remote (the cluster tier); 3: keys as one blob, Welcome.stats
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
 KEY_BYTES = 16
 _LEN = struct.Struct("<I")
@@ -63,6 +63,7 @@ class Welcome(_Msg):
     num_slots: int
     lease_ttl_ms: int
     ssd: bool
+    stats: str  # path of the counters page to map ("" if none): pool/statspage.py
 
 
 # --- requests (each with an id the reply repeats) ---------------------------
