@@ -25,11 +25,11 @@ import pytest
 
 pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[cluster] extra")
 
-from kvtier.cluster.client import Fetched, MooncakeTier  # noqa: E402
+from kvtier.cluster.client import Fetched, MooncakeTier, verify_staged  # noqa: E402
 from kvtier.cluster.master import MasterSupervisor, port_open  # noqa: E402
 from kvtier.config import ClusterConfig  # noqa: E402
 from kvtier.store import EntryState, TieredStore  # noqa: E402
-from kvtier.tier.dram import DramTier, checksum  # noqa: E402
+from kvtier.tier.dram import HEADER_BYTES, HEADER_DTYPE, DramTier, checksum  # noqa: E402
 from kvtier.tools.server import free_port  # noqa: E402
 from tests.unit import helpers  # noqa: E402
 from tests.unit.cluster_node import block_bytes, block_key  # noqa: E402
@@ -395,6 +395,66 @@ def test_fetch_outcomes_of_the_client(make_tier, master: MasterSupervisor, clust
         assert client.exists([keys[0], block_key(8, 99)]) == [True, False]
     finally:
         client.close()
+
+
+def test_fetched_values_are_checked_per_block_before_any_seal(make_tier) -> None:
+    """verify_staged, the check every fetched block passes (two ranks, no
+    Mooncake): only a whole value whose header names its key, marks every
+    rank ready and whose ranks' bytes all match their checksums is sealed;
+    each other block is its miss (gone, error, corrupt) and its slot's
+    header is left as it was, whatever its neighbours in the batch are."""
+    import ctypes
+
+    ranks, rank_bytes = 2, 8192
+    src = make_tier(4096 * 4 + 12 * (2 * rank_bytes + 128), rank_bytes, ranks)
+    dst = DramTier.create(src.path + "-dst", 4096 * 4 + 12 * (2 * rank_bytes + 128), rank_bytes, ranks)
+    try:
+        keys = [block_key(30, i) for i in range(10)]
+        for i, key in enumerate(keys):  # the values as the writer's arena holds them, every rank sealed
+            for r in range(ranks):
+                src.rank_view(i, r).numpy()[:] = block_bytes(30, i, r, rank_bytes)
+                src.seal(i, key, r, checksum(src.rank_view(i, r), key))
+        value = HEADER_BYTES + dst.slot_stride
+        got = [value] * 10
+        got[1] = -704  # OBJECT_NOT_FOUND: evicted since the lookup
+        got[2] = -1  # the transfer failed
+        got[3] = value - 4096  # short: a value of another geometry or cut off
+        staging = bytearray(10 * HEADER_BYTES)
+        for i in range(10):
+            staging[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] = ctypes.string_at(src.header_address(i), HEADER_BYTES)
+            dst.slot_buffer(i)[:] = src.slot_buffer(i)
+        dst.rank_view(4, 1).numpy()[rank_bytes - 1] ^= 0x01  # a flipped byte in the last rank's last byte
+        # Block 5: another key's value (header and bytes, checksums seeded with that key) under this name.
+        staging[5 * HEADER_BYTES : 6 * HEADER_BYTES] = staging[7 * HEADER_BYTES : 8 * HEADER_BYTES]
+        dst.slot_buffer(5)[:] = src.slot_buffer(7)
+        # Block 8: its own header, but its bytes checksummed under another key (a foreign seed).
+        other = block_key(31, 0)
+        h = np.frombuffer(staging, dtype=HEADER_DTYPE, count=10)
+        h["checksum"][8, :ranks] = [checksum(dst.rank_view(8, r), other) for r in range(ranks)]
+        h["ready"][6, 1] = 0  # block 6: its checksums right, rank 1 not marked ready (a torn seal)
+        # Block 9: bytes and checksums right for its key, but a header that names another key.
+        h["key"][9] = np.void(other)
+        before = [ctypes.string_at(dst.header_address(i), HEADER_BYTES) for i in range(10)]
+
+        out = verify_staged(dst, staging, keys, list(range(10)), got, value)
+
+        O, G, E, C = Fetched.OK, Fetched.GONE, Fetched.ERROR, Fetched.CORRUPT
+        assert out == [O, G, E, C, C, C, C, O, C, C]
+        for i, key in enumerate(keys):
+            if out[i] is O:
+                assert dst.is_sealed(i, key) and all(dst.verify(i, key, r) for r in range(ranks))
+                sealed = np.frombuffer(ctypes.string_at(dst.header_address(i), HEADER_BYTES), dtype=HEADER_DTYPE)
+                assert sealed["published"][0] == 0  # the index publishes it, not the fetch
+            else:
+                assert ctypes.string_at(dst.header_address(i), HEADER_BYTES) == before[i]
+                assert not dst.is_sealed(i, key)
+        # A batch of blocks all good (headers staged in the call's order); and one of none.
+        two = staging[:HEADER_BYTES] + staging[7 * HEADER_BYTES : 8 * HEADER_BYTES]
+        ok = verify_staged(dst, two, [keys[0], keys[7]], [0, 7], [value, value], value)
+        assert ok == [O, O]
+        assert verify_staged(dst, staging, [], [], [], value) == []
+    finally:
+        dst.close()
 
 
 def _connects(client: MooncakeTier) -> bool:
