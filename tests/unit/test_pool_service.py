@@ -75,6 +75,7 @@ def save(c: PoolPlacement, ks: list[bytes], step: int, fill: int = 7) -> list[in
     assert slots.placed == len(ks) and None not in slots
     write_blocks(c.arena_path, list(slots), ks, fill)
     c.complete_step(step)
+    c.flush()  # complete_step does not wait for the service: other sessions see the blocks after this
     return list(slots)
 
 
@@ -89,6 +90,7 @@ def test_a_block_saved_by_one_instance_is_found_and_pinned_by_another(service: M
     assert all(tier.verify(s, k, 0) for s, k in zip(slots, ks))
     tier.close()
     b.complete_step(1)
+    b.flush()
     assert service.accounting()["pins"] == 0
     a.shutdown()
     b.shutdown()
@@ -101,14 +103,17 @@ def test_step_numbers_of_two_instances_never_settle_each_other(service: MetaServ
     assert a.pin(ks[:2], step=7) != [None, None]
     # b's step 7 (and everything below it) completes: a's pins of its own step 7 hold.
     b.complete_step(7)
+    b.flush()
     assert service.accounting()["pins"] == 2
     pending = b.prepare_save(keys(3, 2), step=7)
     a.complete_step(9)  # a's steps settle; b's pending saves stay unreadable
+    a.flush()
     acc = service.accounting()
     assert (acc["pins"], acc["pending"], acc["unsettled_entries"]) == (0, 2, 2)
     assert a.probe(keys(3, 2)).ready == 0
     write_blocks(b.arena_path, list(pending), keys(3, 2), 1)
     b.complete_step(7)
+    b.flush()
     assert a.probe(keys(3, 2)).ready == 2
 
 
@@ -323,3 +328,21 @@ def test_keys_travel_whole_whatever_their_bytes() -> None:
     assert wire.unpack_keys(wire.pack_keys([])) == []
     with pytest.raises(ValueError, match="16 bytes"):
         wire.pack_keys([bytes(16), b"short"])
+
+
+def test_complete_step_does_not_wait_and_its_answer_is_read_by_the_next_call(service: MetaService) -> None:
+    # CompleteStep runs on the path of every step's tokens: it is sent and
+    # not waited for; the service answers a session in order, so the
+    # instance's own next call already sees the step settled.
+    c = client(service)
+    ks = keys(50, 2)
+    slots = c.prepare_save(ks, step=1)
+    write_blocks(c.arena_path, list(slots), ks, 3)
+    c.complete_step(1)
+    assert len(c._unanswered) == 1
+    assert c.probe(ks).ready == 2  # read the step's answer first, then its own
+    assert not c._unanswered
+    c.complete_step(2)
+    c.complete_step(3)
+    assert c.flush() and not c._unanswered
+    c.shutdown()

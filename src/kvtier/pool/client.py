@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import threading
+from collections import deque
 import time
 from collections.abc import Iterable, Sequence
 
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 COUNTERS_EVERY_S = 0.25
+UNANSWERED_MAX = 64  # calls sent without waiting whose replies are unread; past this a call waits
 
 
 class PoolUnavailable(Exception):
@@ -70,6 +72,7 @@ class PoolPlacement:
         self._sock: socket.socket | None = None
         self._next_id = 1
         self._welcome: wire.Welcome | None = None
+        self._unanswered: deque[tuple[int, str]] = deque()  # (id, call) sent with wait=False, reply not read
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST_S
         self._last_call = 0.0
@@ -122,6 +125,7 @@ class PoolPlacement:
         self._last_call = time.monotonic()
 
     def _drop_locked(self, why: object) -> None:
+        self._unanswered.clear()  # their session ends with the connection: the service settles them
         if self._sock is not None:
             log.warning("kvtier: the meta service at %s is unreachable (%s); lookups miss and saves are dropped "
                         "until it is back", self.url, why)
@@ -130,8 +134,14 @@ class PoolPlacement:
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
 
-    def _call(self, msg: msgspec.Struct) -> wire.Reply | None:
-        """The reply, or None when the pool is down (the caller answers "miss")."""
+    def _call(self, msg: msgspec.Struct, wait: bool = True) -> wire.Reply | None:
+        """The reply, or None when the pool is down (the caller answers "miss").
+
+        ``wait=False``: send and return None at once; the reply is read (and
+        an error in it logged) by the next call that waits, before its own:
+        the service answers a session's requests in order. For calls whose
+        answer nobody needs (CompleteStep runs on the path of each step's
+        tokens; waiting for its "ok" cost a round trip per step)."""
         with self._lock:
             if self._closed.is_set():
                 return None
@@ -160,12 +170,24 @@ class PoolPlacement:
             try:
                 assert self._sock is not None
                 self._sock.sendall(wire.encode(msg))
-                body = wire.recv_frame(self._sock)
-                if body is None:
-                    raise PoolUnavailable("connection closed")
-                reply = wire.decode_server(body)
-                if isinstance(reply, wire.Welcome) or reply.id != mid:
-                    raise wire.WireError("a reply out of order")
+                if not wait and len(self._unanswered) < UNANSWERED_MAX:
+                    self._unanswered.append((mid, type(msg).__name__))
+                    return None
+                while True:
+                    body = wire.recv_frame(self._sock)
+                    if body is None:
+                        raise PoolUnavailable("connection closed")
+                    reply = wire.decode_server(body)
+                    if isinstance(reply, wire.Welcome):
+                        raise wire.WireError("a reply out of order")
+                    if self._unanswered and reply.id == self._unanswered[0][0]:
+                        _, name = self._unanswered.popleft()
+                        if isinstance(reply, wire.Error):
+                            log.warning("kvtier: the meta service refused %s: %s", name, reply.message)
+                        continue
+                    if reply.id != mid:
+                        raise wire.WireError("a reply out of order")
+                    break
             except (OSError, wire.WireError, PoolUnavailable) as err:
                 self._drop_locked(err)
                 self.failures += 1
@@ -239,7 +261,13 @@ class PoolPlacement:
         return SaveSlots([None if x < 0 else x for x in r.slots], placed=min(max(r.placed, 0), len(keys)))
 
     def complete_step(self, step: int, failed_slots: Iterable[int] = (), all_failed: bool = False) -> None:
-        self._call(wire.CompleteStep(0, step, list(failed_slots), all_failed))
+        self._call(wire.CompleteStep(0, step, list(failed_slots), all_failed), wait=False)
+
+    def flush(self) -> bool:
+        """Wait until the service has answered every call sent without
+        waiting (complete_step): what they did is then visible to every
+        session. False when the pool is down."""
+        return self._call(wire.Ping(0)) is not None
 
     def abandon_saves(self, step: int) -> int:
         r = self._call(wire.AbandonSaves(0, step))
