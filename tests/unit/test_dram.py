@@ -538,3 +538,22 @@ def test_a_part_sealed_for_one_key_never_verifies_under_another(make_tier) -> No
     assert tier.is_sealed(1, KEY_B)  # the header alone looks whole
     assert not tier.verify(1, KEY_B, 0)
     assert tier.verify(1, KEY_B, 1)
+
+
+def test_sealed_many_says_what_is_sealed_says_for_each(make_tier, capacity_for) -> None:
+    # The load path's header check, one batch for a step's blocks: the same
+    # answer as is_sealed slot by slot, and no for a slot out of range or an
+    # odd-length key.
+    tier = make_tier(capacity_for(8, 4096, ranks=2), 4096, ranks=2)
+    k = [bytes([i]) * 16 for i in range(8)]
+    for s in range(6):
+        for r in range(2):
+            if not (s == 3 and r == 1):  # slot 3: one rank never sealed
+                tier.seal(s, k[s], r, 0)
+    slots = [0, 1, 2, 3, 4, 5, 6, 1, -1, 99]
+    keys = [k[0], k[1], k[7], k[3], k[4], k[5], k[6], k[1], k[0], k[0]]
+    want = [0 <= s < tier.num_slots and tier.is_sealed(s, key) for s, key in zip(slots, keys)]
+    assert want == [True, True, False, False, True, True, False, True, False, False]
+    assert tier.sealed_many(slots, keys) == want
+    assert tier.sealed_many([0, 1], [k[0], b"short"]) == [True, False]
+    assert tier.sealed_many([], []) == []

@@ -206,10 +206,11 @@ class WorkerSide:
         t0 = time.perf_counter()
         tier = self._tier
         good: list[BlockCopy] = []
-        for c in plan.loads:
-            # The header check is cheap and comes first: a slot that does not
-            # hold this key, sealed by every rank, is never copied.
-            if c.slot >= 0 and tier.is_sealed(c.slot, c.key):
+        # The header check is cheap and comes first: a slot that does not
+        # hold this key, sealed by every rank, is never copied.
+        sealed = tier.sealed_many([c.slot for c in plan.loads], [c.key for c in plan.loads])
+        for c, ok in zip(plan.loads, sealed):
+            if ok:
                 good.append(c)
                 continue
             self._load_errors.add(c.block_id)

@@ -49,6 +49,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -472,6 +473,22 @@ class DramTier:
     def is_sealed(self, slot: int, key: bytes) -> bool:
         h = self._headers[slot]
         return bool(h["ready"][: self.ranks].all()) and bytes(h["key"]) == key
+
+    def sealed_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`is_sealed` of each ``(slot, key)``, in a few array passes
+        (a load of 127 blocks read 127 headers one numpy scalar at a time:
+        0.28 ms on the load's path). A slot out of range is not sealed."""
+        n = len(slots)
+        if n != len(keys):
+            raise ValueError(f"{n} slots for {len(keys)} keys")
+        joined = b"".join(keys)
+        if not n or len(joined) != 16 * n:
+            return [0 <= s < self.num_slots and len(k) == 16 and self.is_sealed(s, k) for s, k in zip(slots, keys)]
+        at = np.asarray(slots, dtype=np.int64)
+        inside = (at >= 0) & (at < self.num_slots)
+        h = self._headers[np.where(inside, at, 0)]
+        ok = inside & h["ready"][:, : self.ranks].all(axis=1) & (h["key"] == np.frombuffer(joined, dtype="V16"))
+        return ok.tolist()
 
     def verify(self, slot: int, key: bytes, rank: int, check_data: bool = True) -> bool:
         """True when ``slot`` holds ``key`` sealed by all ranks and, with
