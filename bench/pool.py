@@ -502,7 +502,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
 
         # 2. Two instances on one meta service (A, B) and, for the hits, one
         # instance of the embedded backend (E) beside them. Every sample takes
-        # A's device hit, B's pool hit, E's device hit and E's DRAM hit one
+        # E's device hit, A's device hit, B's pool hit and E's DRAM hit one
         # after the other, so each ratio compares requests seconds apart: a
         # 50 ms request on two shared cores spreads 36-122 ms, and measuring
         # E in a phase of its own made the pool-vs-embedded ratio swing by
@@ -522,11 +522,13 @@ def run_ttft(args: argparse.Namespace) -> dict:
                         cold.append(ttft(client, a, p))
                         ttft(client, e, p)  # E's own prefill: it shares nothing with the pool
                         for _ in range(args.hit_reps):
+                            # Each measured request follows another instance's:
+                            # the one before leaves its own blocks in the caches.
+                            edevice.append(ttft(client, e, p))
+                            e.reset_prefix_cache()  # the device cache forgets; kvtier keeps
                             device.append(ttft(client, a, p))
                             cross.append(ttft(client, b, p))  # B's device cache never holds it: from the pool
                             b.reset_prefix_cache()
-                            edevice.append(ttft(client, e, p))
-                            e.reset_prefix_cache()  # the device cache forgets; kvtier keeps
                             dram.append(ttft(client, e, p))
                         a.reset_prefix_cache()
                         same.append(ttft(client, a, p))  # A's own blocks, back from the pool
