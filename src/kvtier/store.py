@@ -328,22 +328,28 @@ class TieredStore:
         # One pass over the keys with everything it touches in locals: a
         # 64k-token prompt of 16-token blocks is 4,096 keys, and the lookup
         # runs on vLLM's scheduler thread (or in the meta service for every
-        # instance). Keys not in DRAM are looked up on SSD together, at the
-        # first one met (SsdIndex.ready_many), not one by one.
+        # instance). Keys not in DRAM are looked up on SSD in batches
+        # (SsdIndex.ready_many) of 1, 8, 64, ... keys: a cold prompt, whose
+        # first key is held nowhere, costs one lookup, and a long run on SSD
+        # a few batches instead of a call per key.
         ready_state, promoting = EntryState.READY, EntryState.PROMOTING
         with self._lock:
             ready = total = 0
             entries, ssd = self._entries, self._ssd_entries
-            on_ssd: list[bool] | None = None  # READY on SSD, for keys[base:]
+            on_ssd: list[bool] = []  # READY on SSD, for keys[base : base + len(on_ssd)]
             base = 0
+            window = 1
+            ssd_only = False  # a key counted is held on SSD only (not in the DRAM policy)
             for key in keys:
                 e = entries.get(key)
                 if e is None:
                     if ssd:
-                        if on_ssd is None:
+                        if total - base >= len(on_ssd):
                             base = total
-                            on_ssd = ssd.ready_many(keys[base:])
+                            on_ssd = ssd.ready_many(keys[base : base + window])
+                            window = min(window * 8, 4096)
                         if on_ssd[total - base]:
+                            ssd_only = True
                             total += 1
                             continue
                     absent = True
@@ -371,7 +377,7 @@ class TieredStore:
             self._c.lookup_hits += total
             if total:
                 # Without a key found on SSD only, every key counted is in DRAM (in the policy).
-                self._policy.touch(keys[:total], all_held=on_ssd is None)
+                self._policy.touch(keys[:total], all_held=not ssd_only)
                 if self._dirty:
                     self._dirty.touch(keys[:total])
                 if ssd:

@@ -636,3 +636,22 @@ def test_cleared_ssd_blocks_do_not_come_back_after_a_restart(make_store, open_ss
     save_each(store, KEYS[10:19], first_step=100)
     assert store.wait_idle()
     assert store.probe(KEYS[10:14]).total == 4
+
+
+def test_a_probe_asks_the_ssd_index_for_a_few_keys_at_a_time(make_store, monkeypatch) -> None:
+    # Keys missing from DRAM are looked up on SSD in batches of 1, 8, 64...:
+    # a cold prompt (its first key held nowhere) costs one lookup, not one
+    # for each of its keys; a run on SSD is found whole.
+    store = make_store()
+    save_each(store, KEYS[:9])
+    ssd_only = on_ssd(store, KEYS[:9])
+    assert 2 <= len(ssd_only) <= 8
+    asked: list[int] = []
+    real = store._ssd_entries.ready_many
+    monkeypatch.setattr(store._ssd_entries, "ready_many", lambda ks: asked.append(len(ks)) or real(ks))
+    cold = [K(100 + i) for i in range(30)]
+    assert store.probe(cold) == Probe(0, 0)
+    assert asked == [1]
+    asked.clear()
+    assert store.probe(ssd_only + cold) == Probe(0, len(ssd_only))
+    assert asked == [1, 8]  # the first key, then a batch that holds the rest of the run and its end
