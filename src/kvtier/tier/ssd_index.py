@@ -378,10 +378,14 @@ class SsdIndex:
             self._clock = clock
             return
         slots = self.find_many(keys)
-        held = slots[slots >= 0][::-1]  # the last key first: the first key ends most recent
+        held = slots[slots >= 0]
         if held.size:
-            # A key given twice keeps its later stamp (its first place), as the loop above does.
-            self._recency[held] = np.arange(self._clock + 1, self._clock + 1 + held.size, dtype=np.int64)
+            # The first key ends most recent: stamps fall with the position.
+            # A key given twice keeps the stamp of its first place, as the
+            # loop above does (np.unique: one assignment per slot, no reliance
+            # on the order numpy applies repeated indices in).
+            uniq, first = np.unique(held, return_index=True)
+            self._recency[uniq] = self._clock + held.size - first
             self._clock += int(held.size)
 
     # --- writes ---------------------------------------------------------------
