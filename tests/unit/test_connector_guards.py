@@ -151,3 +151,31 @@ def test_a_slot_not_sealed_for_the_key_is_never_copied_even_without_checksums(ma
     assert w.get_block_ids_with_load_errors() == {9}
     assert torch.equal(kv[9], torch.zeros_like(kv[9]))  # nothing was copied into it
     assert w.build_report().corrupt_keys == [b"z" * 16]
+
+
+def test_blocks_found_bad_before_a_copy_fails_are_still_reported_corrupt(worker_and_tier, monkeypatch):
+    # The CPU load path checks block by block; if a later copy raises, the
+    # whole step's loads are errors, and a block already found bad is still
+    # one the index must forget.
+    w, tier, kv = worker_and_tier
+    save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
+    save(w, tier, 1, block_id=3, slot=1, key=b"b" * 16)
+    tier.rank_view(0, 0)[5] ^= 0x01  # block a: bad bytes under a good header
+    import ctypes
+
+    import kvtier.connector.copy as copy_mod
+    calls = {"n": 0}
+    real = ctypes.memmove
+
+    def memmove(dst, src, n):
+        calls["n"] += 1
+        if calls["n"] > 1:  # the second block's copy fails
+            raise OSError("copy failed")
+        return real(dst, src, n)
+
+    monkeypatch.setattr(copy_mod.ctypes, "memmove", memmove)
+    plan = StepPlan(step=2, arena=tier.path, loads=[BlockCopy(9, 0, b"a" * 16), BlockCopy(10, 1, b"b" * 16)])
+    w.start_load_kv(plan)
+    assert w.get_block_ids_with_load_errors() == {9, 10}
+    w.wait_for_save(plan)
+    assert w.build_report().corrupt_keys == [b"a" * 16]

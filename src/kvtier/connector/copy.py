@@ -105,7 +105,8 @@ def can_check_while_copying(layers: Sequence[torch.Tensor], layout: KvLayout) ->
 
 
 def scatter_checked(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
-                    slots: torch.Tensor, slot_ids: Sequence[int], check: Callable[[int], bool]) -> list[int]:
+                    slots: torch.Tensor, slot_ids: Sequence[int], check: Callable[[int], bool],
+                    bad: list[int] | None = None) -> list[int]:
     """:func:`scatter_blocks` block by block, each block's layers then
     ``check(i)`` for the ``i``-th block, while the bytes the copy just read
     are still in the cache; returns the positions whose check failed (their
@@ -117,12 +118,14 @@ def scatter_checked(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids:
     for 127 blocks of 512 KiB beside 3.7 ms of copies, all of it on the
     TTFT); here it reads them from the cache, 0.8 ms more than the copies
     alone (docs/benchmarks.md). Only for :func:`can_check_while_copying`.
+    ``bad``: the list to append the failed positions to (also the return
+    value), so that what was found before an exception is not lost.
     """
     nbytes = layout.layer_block_bytes
     slot_base = slots.data_ptr()
     s_stride, l_stride = slots.stride(0), slots.stride(1)
     bases = [(bm.data_ptr(), bm.stride(0) * bm.element_size()) for bm in layers]
-    bad = []
+    bad = [] if bad is None else bad
     memmove = ctypes.memmove
     for i, (b, s) in enumerate(zip(block_ids, slot_ids)):
         slot = slot_base + s * s_stride

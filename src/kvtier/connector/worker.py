@@ -237,14 +237,20 @@ class WorkerSide:
                         log.exception("kvtier: verifying slot %d failed", good[i].slot)
                         return False
 
-                bad = [good[i] for i in scatter_checked(self._layers, self.layout, [c.block_id for c in good],
-                                                        self._slots, [c.slot for c in good], check)]
+                failed: list[int] = []
+                try:
+                    scatter_checked(self._layers, self.layout, [c.block_id for c in good], self._slots,
+                                    [c.slot for c in good], check, failed)
+                finally:
+                    bad = [good[i] for i in failed]  # found bad before an exception: still reported corrupt
             else:
                 scatter_blocks(self._layers, self.layout, [c.block_id for c in good], self._slots,
                                [c.slot for c in good])
         except Exception:  # noqa: BLE001
             log.exception("kvtier: loading %d blocks failed; vLLM recomputes them", len(good))
             self._load_errors.update(c.block_id for c in good)
+            if bad and self._report is not None:
+                self._report.corrupt_keys.extend(c.key for c in bad)  # the index must forget them
             good, bad = [], []
         self._stats.add("blocks_loaded", len(good))
         self._stats.add("bytes_loaded", len(good) * self.layout.block_bytes)
