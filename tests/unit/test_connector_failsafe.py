@@ -203,3 +203,12 @@ def test_a_step_with_failed_copies_rewinds_its_requests_so_recomputed_blocks_are
 
     again = side.build_connector_meta(Next())
     assert sorted(c.block_id for c in again.saves) == [6, 8, 9]
+
+
+def test_stats_of_a_pool_never_reached_are_zeros_not_an_error(side: SchedulerSide, monkeypatch) -> None:
+    # A meta service down since the instance started has given no counters
+    # yet: vLLM's per-step statistics still come, with empty gauges, instead
+    # of an exception every step.
+    monkeypatch.setattr(side.store, "counters", lambda: {})
+    stats = side.get_kv_connector_stats()
+    assert stats is not None and stats.data.get("dram_slots_used") == 0

@@ -400,7 +400,7 @@ class SchedulerSide:
             if d:
                 stats.add(name, d)
                 changed = True
-        gauges = {g: now[g] for g in GAUGES}
+        gauges = {g: now.get(g, 0) for g in GAUGES}  # none yet from a pool not reached since start
         if not changed and stats.is_empty() and gauges == self._last_gauges:
             return None
         self._last_counters = now

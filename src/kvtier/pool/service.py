@@ -459,11 +459,14 @@ class MetaService:
         """Rewrite the counters page a few times a second (instances read it: no call)."""
         while not self._stop.wait(STATS_EVERY_S):
             with self._lock:
-                store, page = self.store, self._stats_page
-            if store is None or page is None:
+                store = self.store
+            if store is None:
                 continue
             try:
-                page.write(store.counters())
+                values = store.counters()
+                with self._lock:  # stop() closes the page under it
+                    if self._stats_page is not None and not self._stop.is_set():
+                        self._stats_page.write(values)
             except Exception:  # noqa: BLE001 - statistics never stop the service
                 log.exception("kvtier meta: writing the counters page failed")
 
