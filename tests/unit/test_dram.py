@@ -557,3 +557,23 @@ def test_sealed_many_says_what_is_sealed_says_for_each(make_tier, capacity_for) 
     assert tier.sealed_many(slots, keys) == want
     assert tier.sealed_many([0, 1], [k[0], b"short"]) == [True, False]
     assert tier.sealed_many([], []) == []
+
+
+def test_data_checks_agree_with_verify_for_every_part(make_tier, capacity_for) -> None:
+    # The load path's checksum pass for a batch (headers read once): the
+    # same answer as verify() for each block and rank, a flipped byte, a
+    # part sealed under another key and the last byte included.
+    tier = make_tier(capacity_for(6, 4096, ranks=2), 4096, ranks=2)
+    keys = [bytes([i + 1]) * 16 for i in range(6)]
+    for s, k in enumerate(keys):
+        for r in range(2):
+            view = tier.rank_view(s, r)
+            view.copy_(torch.randint(0, 256, (view.numel(),), dtype=torch.uint8))
+            tier.seal(s, k if s != 4 else keys[0], r, checksum(view, k if s != 4 else keys[0]))
+    tier.rank_view(2, 1)[100] ^= 0x10
+    tier.rank_view(3, 0)[-1] ^= 0x01
+    for r in range(2):
+        check = tier.data_checks(list(range(6)), keys, r)
+        got = [check(i) for i in range(6)]
+        want = [not (s == 2 and r == 1) and not (s == 3 and r == 0) and s != 4 for s in range(6)]
+        assert got == [tier.verify(s, keys[s], r) for s in range(6)] == want, (r, got)

@@ -228,11 +228,13 @@ class WorkerSide:
                 # CPU: each block's checksum right after its copy, from the
                 # cache (scatter_checked); a block that fails is a load error
                 # now, before the forward pass reads it.
-                rank = self.rank
+                # The headers were checked above (sealed_many): the data against
+                # the checksums they give, read once for the step.
+                matches = tier.data_checks([c.slot for c in good], [c.key for c in good], self.rank)
 
                 def check(i: int) -> bool:
                     try:
-                        return tier.verify(good[i].slot, good[i].key, rank, check_data=True)
+                        return matches(i)
                     except Exception:  # noqa: BLE001 - anything wrong is a miss
                         log.exception("kvtier: verifying slot %d failed", good[i].slot)
                         return False

@@ -49,7 +49,7 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -489,6 +489,26 @@ class DramTier:
         h = self._headers[np.where(inside, at, 0)]
         ok = inside & h["ready"][:, : self.ranks].all(axis=1) & (h["key"] == np.frombuffer(joined, dtype="V16"))
         return ok.tolist()
+
+    def data_checks(self, slots: Sequence[int], keys: Sequence[bytes], rank: int) -> Callable[[int], bool]:
+        """For slots :meth:`sealed_many` found sealed for ``keys``: a check
+        ``i -> bool``, whether rank ``rank``'s bytes of ``slots[i]`` match the
+        checksum its header gives. The headers are read once for the batch
+        and each part is hashed straight from the mapping: :meth:`verify`
+        per block cost ~5 us of header reads and tensor slicing besides the
+        hash (0.65 ms for an 8k-token hit of 127 blocks)."""
+        expected = self._headers["checksum"][np.asarray(slots, dtype=np.int64), rank].tolist()
+        mv = memoryview(self._mm)
+        base = self._data_off + rank * self.rank_stride
+        stride, n = self.slot_stride, self.rank_bytes
+        seeds = [int.from_bytes(k[:8], "little") for k in keys]  # as checksum() seeds
+        digest = xxhash.xxh3_64_intdigest
+
+        def check(i: int) -> bool:
+            off = base + slots[i] * stride
+            return digest(mv[off : off + n], seed=seeds[i]) == expected[i]
+
+        return check
 
     def verify(self, slot: int, key: bytes, rank: int, check_data: bool = True) -> bool:
         """True when ``slot`` holds ``key`` sealed by all ranks and, with
