@@ -43,7 +43,7 @@ the blocks fetched.
 
 Usage: .venv/bin/python bench/cluster.py [transfers] [--blocks 64] [--rank-bytes 524288] [--repeat 5]
        flock /tmp/kvtier-vllm.lock .venv/bin/python bench/cluster.py ttft [--geometry bench]
-           [--prompt-tokens 8192] [--prompts 9] [--gap 1.0] [--dram-size 1GB] [--segment-size 2GB]
+           [--prompt-tokens 8192] [--prompts 9] [--gap 2.0] [--dram-size 1GB] [--segment-size 2GB]
            [--json out.json]
 
 Prints one table per measurement; docs/benchmarks.md records runs.
@@ -475,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--geometry", default="bench", help="ttft: test model (kvtier.tools.model.GEOMETRIES)")
     p.add_argument("--prompt-tokens", type=int, default=8192, help="ttft")
     p.add_argument("--prompts", type=int, default=9, help="ttft: distinct prompts, each TTFT once per prompt")
-    p.add_argument("--gap", type=float, default=1.0, help="ttft: quiet seconds before each request")
+    p.add_argument("--gap", type=float, default=2.0,
+                   help="ttft: quiet seconds before each request (vLLM's worker spins 1 s after its last message)")
     p.add_argument("--dram-size", default="1GB", help="ttft: each node's DRAM pool")
     p.add_argument("--segment-size", default="2GB", help="ttft: memory node 1 lends the cluster")
     p.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")

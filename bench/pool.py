@@ -35,7 +35,7 @@ Three measurements, each against a peer measured in the same run:
 Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--json out.json]
        lookup: [--tokens 65536] [--reps 1000]
        scale:  [--clients 1,2,4] [--transport tcp|unix] [--shared-blocks 1024] [--own-blocks 32]
-       ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 1.0]
+       ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 2.0]
                [--concurrency 8] [--tput-reps 3] [--dram-size 2GB] [--hits-only]
 """
 
@@ -616,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dram-size", default="2GB", help="ttft: DRAM of the embedded store and of the pool")
     ap.add_argument("--hit-reps", type=int, default=3, help="ttft: hits measured per prompt")
     ap.add_argument("--tput-reps", type=int, default=3, help="ttft: throughput runs per configuration (median)")
-    ap.add_argument("--gap", type=float, default=1.0, help="ttft: seconds of quiet before each request")
+    ap.add_argument("--gap", type=float, default=2.0,
+                    help="ttft: seconds of quiet before each request (vLLM's worker spins 1 s after its last message)")
     ap.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")
     ap.add_argument("--chunk", type=int, default=2048, help="ttft: --max-num-batched-tokens")
     ap.add_argument("--hits-only", action="store_true", help="ttft: the hit measures only (no 0 %% hits phases)")

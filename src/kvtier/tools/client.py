@@ -105,10 +105,14 @@ def quiet_ttft(client: httpx.Client, base_url: str, prompt: list[int], gap_s: fl
     """TTFT of one completion sent after ``gap_s`` of quiet.
 
     On a machine with few cores, a vLLM CPU instance that has just answered
-    keeps them busy for up to ~0.7 s; a request to another instance in that
-    time waits for it (TTFTs of 40 ms or 450-800 ms at random, device hits
+    keeps a core busy: its worker busy-polls the engine's shared-memory
+    queue for 1 s after the last message it read (vLLM's shm_broadcast
+    SpinCondition, ``busy_loop_s=1``), and a ``reset_prefix_cache`` call is
+    such a message too. A request to another instance in that time waits
+    for the core (TTFTs of 40 ms or 450-800 ms at random, device hits
     included, measured with two instances on two cores). Benchmarks that
-    compare single requests across instances wait first.
+    compare single requests across instances wait first, longer than that
+    second (2 s by default in bench/pool.py and bench/cluster.py).
     """
     time.sleep(gap_s)
     r = stream_completion(client, base_url, prompt, max_tokens=max_tokens)
