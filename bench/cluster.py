@@ -76,6 +76,7 @@ from kvtier.cluster.master import MasterSupervisor  # noqa: E402
 from kvtier.config import ClusterConfig  # noqa: E402
 from kvtier.errors import ClusterError  # noqa: E402
 from kvtier.tier.dram import DramTier, checksum  # noqa: E402
+from kvtier.tools.client import QUIET_S  # noqa: E402
 from kvtier.tools.server import free_port  # noqa: E402
 
 NODE = ROOT / "tests" / "unit" / "cluster_node.py"
@@ -475,8 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--geometry", default="bench", help="ttft: test model (kvtier.tools.model.GEOMETRIES)")
     p.add_argument("--prompt-tokens", type=int, default=8192, help="ttft")
     p.add_argument("--prompts", type=int, default=9, help="ttft: distinct prompts, each TTFT once per prompt")
-    p.add_argument("--gap", type=float, default=2.0,
-                   help="ttft: quiet seconds before each request (vLLM's worker spins 1 s after its last message)")
+    p.add_argument("--gap", type=float, default=QUIET_S,
+                   help="ttft: quiet seconds before each request (kvtier.tools.client.quiet_ttft)")
     p.add_argument("--dram-size", default="1GB", help="ttft: each node's DRAM pool")
     p.add_argument("--segment-size", default="2GB", help="ttft: memory node 1 lends the cluster")
     p.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")

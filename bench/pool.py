@@ -67,6 +67,7 @@ from kvtier.pool import wire
 from kvtier.pool.client import PoolPlacement
 from kvtier.pool.service import parse_url
 from kvtier.tier.dram import DramTier, checksum
+from kvtier.tools.client import QUIET_S
 from kvtier.tools.meta import MetaProcess
 from kvtier.tools.server import free_port, parse_metrics
 
@@ -616,8 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dram-size", default="2GB", help="ttft: DRAM of the embedded store and of the pool")
     ap.add_argument("--hit-reps", type=int, default=3, help="ttft: hits measured per prompt")
     ap.add_argument("--tput-reps", type=int, default=3, help="ttft: throughput runs per configuration (median)")
-    ap.add_argument("--gap", type=float, default=2.0,
-                    help="ttft: seconds of quiet before each request (vLLM's worker spins 1 s after its last message)")
+    ap.add_argument("--gap", type=float, default=QUIET_S,
+                    help="ttft: seconds of quiet before each request (kvtier.tools.client.quiet_ttft)")
     ap.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")
     ap.add_argument("--chunk", type=int, default=2048, help="ttft: --max-num-batched-tokens")
     ap.add_argument("--hits-only", action="store_true", help="ttft: the hit measures only (no 0 %% hits phases)")

@@ -55,8 +55,14 @@ from typing import Any
 
 import torch
 
-from kvtier.connector.copy import (StreamCopies, can_check_while_copying, gather_blocks, scatter_blocks,
-                                  scatter_checked, slot_matrix)
+from kvtier.connector.copy import (
+    StreamCopies,
+    can_check_while_copying,
+    gather_blocks,
+    scatter_blocks,
+    scatter_checked,
+    slot_matrix,
+)
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import KvtierStats
 from kvtier.hostmem import PinnedRegion, pin_host_memory

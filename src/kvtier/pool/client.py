@@ -26,15 +26,15 @@ import logging
 import os
 import socket
 import threading
-from collections import deque
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 import msgspec
 
 from kvtier.pool import wire
-from kvtier.pool.statspage import StatsPage
 from kvtier.pool.service import parse_url
+from kvtier.pool.statspage import StatsPage
 from kvtier.store import Probe, SaveSlots
 
 log = logging.getLogger(__name__)

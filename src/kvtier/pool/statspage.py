@@ -31,7 +31,7 @@ import struct
 
 import msgspec
 
-from kvtier.tier.dram import DramTier
+from kvtier.tier.dram import create_owned
 
 PAGE_BYTES = 64 << 10
 _HEAD = struct.Struct("<QI")  # sequence number, length of the map
@@ -52,7 +52,7 @@ class StatsPage:
 
     @classmethod
     def create(cls, path: str) -> StatsPage:
-        fd = DramTier._create_locked(path)  # O_EXCL, 0600, the owner's flock
+        fd = create_owned(path)  # O_EXCL, 0600, the owner's flock
         try:
             os.ftruncate(fd, PAGE_BYTES)
             mm = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

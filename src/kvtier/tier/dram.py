@@ -111,6 +111,31 @@ def _mask(h: np.void) -> int:
     return sum(1 << r for r in range(MAX_RANKS) if h["ready"][r])
 
 
+def create_owned(path: str) -> int:
+    """Create ``path`` (must not exist, mode 0600) and take the owner's lock on it; the fd.
+
+    The lock, held for the arena's lifetime, is how any process sharing
+    the directory tells a live arena from a dead one's (see
+    :func:`remove_stale_files`); process ids cannot, since another
+    container's processes are invisible. A cleanup may lock the new file
+    in the instant before we do and unlink it: then the path no longer
+    names our file and we create it again.
+    """
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a cleanup holds it
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise OSError(f"{path} was removed three times while being created")
+
+
 def remove_stale_files(directory: str, prefix: str) -> list[str]:
     """Remove the arenas in ``directory`` whose owner is gone; return their names.
 
@@ -260,7 +285,7 @@ class DramTier:
             raise ConfigError("dram_size", capacity_bytes,
                               f"too small for one block of {rank_bytes * ranks} bytes")
         size = _round_up(data_off + num_slots * slot_stride, page)
-        fd = cls._create_locked(path)
+        fd = create_owned(path)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -275,31 +300,6 @@ class DramTier:
             os.unlink(path)
             raise
         return cls(path, fd, mm, ranks, num_slots, rank_bytes, slot_stride, data_off, owner=True)
-
-    @staticmethod
-    def _create_locked(path: str) -> int:
-        """Create ``path`` (must not exist) and take the owner's lock on it.
-
-        The lock, held for the arena's lifetime, is how any process sharing
-        the directory tells a live arena from a dead one's (see
-        :func:`remove_stale_files`); process ids cannot, since another
-        container's processes are invisible. A cleanup may lock the new file
-        in the instant before we do and unlink it: then the path no longer
-        names our file and we create it again.
-        """
-        for _ in range(3):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a cleanup holds it
-                if os.path.samestat(os.fstat(fd), os.lstat(path)):
-                    return fd
-            except FileNotFoundError:
-                pass
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-        raise OSError(f"{path} was removed three times while being created")
 
     @classmethod
     def adopt(cls, path: str) -> DramTier | None:

@@ -100,6 +100,9 @@ def random_prompt(seed: int, n: int, vocab: int) -> list[int]:
     return [rng.randrange(16, vocab) for _ in range(n)]
 
 
+QUIET_S = 2.0  # seconds of quiet before a request to another instance: see quiet_ttft
+
+
 def quiet_ttft(client: httpx.Client, base_url: str, prompt: list[int], gap_s: float,
                max_tokens: int = 4) -> float:
     """TTFT of one completion sent after ``gap_s`` of quiet.
@@ -112,7 +115,7 @@ def quiet_ttft(client: httpx.Client, base_url: str, prompt: list[int], gap_s: fl
     for the core (TTFTs of 40 ms or 450-800 ms at random, device hits
     included, measured with two instances on two cores). Benchmarks that
     compare single requests across instances wait first, longer than that
-    second (2 s by default in bench/pool.py and bench/cluster.py).
+    second (:data:`QUIET_S` by default).
     """
     time.sleep(gap_s)
     r = stream_completion(client, base_url, prompt, max_tokens=max_tokens)
