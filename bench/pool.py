@@ -441,16 +441,17 @@ def cpu_by_process(pids: list[int]) -> dict[str, float]:
 
 def run_ttft(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
+    from ttft import memcpy_gbps  # bench/ttft.py: this machine's memcpy, the loads' limit
 
     from kvtier.tools.client import quiet_ttft, random_prompt, stream_completion
     from kvtier.tools.model import build_model
     from kvtier.tools.server import ServerOptions, VllmServer
 
-    model = str(build_model(args.geometry))
+    model = str(build_model(args.geometry, dtype=args.dtype))
     vocab = len(AutoTokenizer.from_pretrained(model))
     logs = Path(tempfile.mkdtemp(prefix="kvtier-bench-pool-ttft-"))
-    common = dict(model=model, block_size=args.block, max_num_batched_tokens=args.chunk,
-                  max_model_len=args.prompt_tokens + 256)
+    common = dict(model=model, dtype=args.dtype, block_size=args.block,
+                  max_num_batched_tokens=args.chunk, max_model_len=args.prompt_tokens + 256)
     hit_tokens = (args.prompt_tokens - 1) // args.block * args.block  # one token is always computed
 
     def prompt(seed: int, n: int) -> list[int]:
@@ -490,7 +491,8 @@ def run_ttft(args: argparse.Namespace) -> dict:
         return VllmServer(ServerOptions(kvtier=kvtier, env=env or {}, **common),
                           log_path=logs / f"vllm-{name}.log")
 
-    out: dict = {"geometry": args.geometry, "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
+    out: dict = {"geometry": args.geometry, "dtype": args.dtype, "memcpy_GBps": memcpy_gbps(),
+                 "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                  "hit_reps": args.hit_reps, "gap": args.gap, "hits_only": args.hits_only,
                  "logs": str(logs)}
     with httpx.Client(timeout=600) as client:
@@ -540,7 +542,8 @@ def run_ttft(args: argparse.Namespace) -> dict:
                 out["pool"].update(cold_s=cold, device_s=device, cross_s=cross, same_s=same)
                 got = {k: after.get(k, 0.0) - before.get(k, 0.0)
                        for k in ("vllm:external_prefix_cache_hits_total", "kvtier_blocks_loaded_total",
-                                 "kvtier_load_errors_total")}
+                                 "kvtier_load_errors_total", "kvtier_bytes_loaded_total",
+                                 "kvtier_load_seconds_total")}
                 out["pool"]["b_counters"] = got
                 out["pool"]["b_expected_hit_tokens"] = hit_tokens * args.rounds * args.hit_reps
     return out
@@ -555,7 +558,8 @@ def print_ttft(res: dict) -> None:
     paired_dev = med(c / d for c, d in zip(pool["cross_s"], pool["device_s"]))
     paired_emb = med(c / e for c, e in zip(pool["cross_s"], res["embedded"]["dram_s"]))
     print(f"\n## TTFT across instances on the node pool, {res['prompt_tokens']}-token prompt, model "
-          f"'{res['geometry']}', {res['rounds']} prompts x {res.get('hit_reps', 1)} hits each, "
+          f"'{res['geometry']}' ({res.get('dtype', 'bfloat16')}), {res['rounds']} prompts x "
+          f"{res.get('hit_reps', 1)} hits each, "
           f"{res.get('gap', 0)} s quiet before each request (median)\n")
     print("| measure | value | peer | ratio of medians | median of paired ratios | goal |")
     print("|---|---|---|---|---|---|")
@@ -594,6 +598,13 @@ def print_ttft(res: dict) -> None:
     print(f"\nInstance B: {c['vllm:external_prefix_cache_hits_total']:.0f} tokens hit in the pool (expected "
           f"{pool['b_expected_hit_tokens']}), {c['kvtier_blocks_loaded_total']:.0f} blocks loaded, "
           f"{c['kvtier_load_errors_total']:.0f} load errors. Server logs: {res['logs']}")
+    if c.get("kvtier_load_seconds_total") and res.get("memcpy_GBps"):
+        # The copy and checksum of a hit, against memcpy on this machine measured in the same run.
+        load = c["kvtier_bytes_loaded_total"] / c["kvtier_load_seconds_total"] / 1e9
+        print(f"B's loads (copy and checksum): {load:.1f} GB/s, {load / res['memcpy_GBps']:.2f}x this "
+              f"machine's memcpy ({res['memcpy_GBps']:.1f} GB/s); "
+              f"{c['kvtier_bytes_loaded_total'] / max(1, c['kvtier_blocks_loaded_total']) / 1024:.0f} KiB "
+              "a block.")
 
 
 # --- main -------------------------------------------------------------------------
@@ -620,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gap", type=float, default=QUIET_S,
                     help="ttft: seconds of quiet before each request (kvtier.tools.client.quiet_ttft)")
     ap.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="ttft: the model's dtype (float32 for a real model on a CPU without bf16)")
     ap.add_argument("--chunk", type=int, default=2048, help="ttft: --max-num-batched-tokens")
     ap.add_argument("--hits-only", action="store_true", help="ttft: the hit measures only (no 0 %% hits phases)")
     args = ap.parse_args(argv)
