@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connector.copy import can_check_while_copying, gather_blocks, scatter_blocks, scatter_checked, slot_matrix
+from kvtier.connector.copy import (
+    can_check_while_copying,
+    gather_blocks,
+    gather_sealed,
+    scatter_blocks,
+    scatter_checked,
+    slot_matrix,
+)
 from kvtier.layout import KvLayout, LayoutKind, block_major, block_run, detect_kind, kv_bytes_per_token
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
@@ -365,3 +372,45 @@ def test_scatter_checked_copies_like_scatter_and_checks_each_block_once_copied(m
             assert torch.equal(bits(after[b]), bits(prev[src]))
         for b in (1, 2, 3, 5, 6):
             assert torch.equal(bits(after[b]), bits(prev[b]))
+
+
+def test_gather_sealed_writes_what_gather_blocks_writes_and_seals_each_slot_once_written(make_tier,
+                                                                                         capacity_for) -> None:
+    # The CPU save path: each block's layers into its slot, then its seal
+    # (checksum and header), block by block.
+    kv, layout, layers, tier, slots = bf16_arena(make_tier, capacity_for, LayoutKind.CPU, layers=3, seed=7)
+    blocks, slot_ids = [6, 1, 3], [2, 0, 3]
+    keys = [bytes([i + 1]) * 16 for i in range(3)]
+    expected = torch.zeros(tier.num_slots, tier.rank_bytes, dtype=torch.uint8)  # what gather_blocks writes
+    gather_blocks(layers, layout, blocks, slot_matrix(expected, layout), slot_ids)
+    sealed = []
+
+    def seal(i: int) -> None:
+        s = slot_ids[i]
+        assert torch.equal(tier.rank_view(s, 0), expected[s])  # the slot is whole when sealed
+        assert all(torch.all(tier.rank_view(t, 0) == 0) for t in slot_ids[i + 1:])  # later ones not yet copied
+        tier.seal(s, keys[i], 0, checksum(tier.rank_view(s, 0), keys[i]))
+        sealed.append(i)
+
+    gather_sealed(layers, layout, blocks, slots, slot_ids, seal)
+    assert sealed == [0, 1, 2]
+    for i, s in enumerate(slot_ids):
+        assert torch.equal(tier.rank_view(s, 0), expected[s])
+        assert tier.verify(s, keys[i], 0)
+    assert torch.all(tier.rank_view(1, 0) == 0)  # a slot it was not given
+
+
+def test_gather_sealed_stops_at_a_failing_seal(make_tier, capacity_for) -> None:
+    kv, layout, layers, tier, slots = bf16_arena(make_tier, capacity_for, LayoutKind.CPU, layers=2, seed=8)
+    key = b"k" * 16
+
+    def seal(i: int) -> None:
+        if i == 1:
+            raise OSError("header write failed")
+        tier.seal(i, key, 0, checksum(tier.rank_view(i, 0), key))
+
+    with pytest.raises(OSError, match="header write failed"):
+        gather_sealed(layers, layout, [4, 5, 6], slots, [0, 1, 2], seal)
+    assert tier.verify(0, key, 0)  # sealed before the failure: whole
+    assert not tier.is_sealed(1, key) and not tier.is_sealed(2, key)
+    assert torch.all(tier.rank_view(2, 0) == 0)  # never reached

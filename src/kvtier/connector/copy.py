@@ -8,7 +8,11 @@ CPU and CUDA. Two paths, chosen by the KV tensors' device:
   prompt, 128 blocks x 4 layers): 7.7 GB/s against 1.7 GB/s for the
   vectorised path, whose advanced indexing goes through a temporary and a
   single-threaded index_put. Splitting the blocks over two threads was
-  slower still (the cores are shared with vLLM's own threads).
+  slower still: vLLM's CPU worker binds its thread to one core, so a
+  thread started from it shares that core; bound to the worker's other
+  cores instead, it meets vLLM's OpenMP threads spinning there after each
+  parallel region (an 8k-token pool hit's load inside vLLM: 7.7 ms on two
+  threads against 5.7 ms on one, docs/benchmarks.md).
 * accelerator: one ``copy_(non_blocking=True)`` per block and layer,
   straight between the device block and the slot, on a stream of the
   worker's own (:class:`StreamCopies`). With the arena registered as
@@ -100,7 +104,8 @@ def scatter_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: 
 
 
 def can_check_while_copying(layers: Sequence[torch.Tensor], layout: KvLayout) -> bool:
-    """Whether :func:`scatter_checked` applies: CPU KV, dense blocks, memmove."""
+    """Whether :func:`scatter_checked` and :func:`gather_sealed` apply: CPU
+    KV, dense blocks, memmove."""
     return bool(layers) and _MEMMOVE and layout.dense_blocks and layers[0].device.type == "cpu"
 
 
@@ -134,6 +139,28 @@ def scatter_checked(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids:
         if not check(i):
             bad.append(i)
     return bad
+
+
+def gather_sealed(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
+                  slots: torch.Tensor, slot_ids: Sequence[int], seal: Callable[[int], None]) -> None:
+    """:func:`gather_blocks` block by block, each block's layers then
+    ``seal(i)`` for the ``i``-th block, which checksums the slot while the
+    bytes just written are still in the cache: gathering every block first
+    and checksumming after read them all again from memory (an 8k-token
+    save of 127 blocks of 512 KiB: 4.9 ms against 6.6 ms, docs/benchmarks.md).
+    Only for :func:`can_check_while_copying`. An exception ends the call:
+    the blocks sealed before it are whole, the others may not be.
+    """
+    nbytes = layout.layer_block_bytes
+    slot_base = slots.data_ptr()
+    s_stride, l_stride = slots.stride(0), slots.stride(1)
+    bases = [(bm.data_ptr(), bm.stride(0) * bm.element_size()) for bm in layers]
+    memmove = ctypes.memmove
+    for i, (b, s) in enumerate(zip(block_ids, slot_ids)):
+        slot = slot_base + s * s_stride
+        for j, (base, stride) in enumerate(bases):
+            memmove(slot + j * l_stride, base + b * stride, nbytes)
+        seal(i)
 
 
 def _copy_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],

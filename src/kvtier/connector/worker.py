@@ -59,6 +59,7 @@ from kvtier.connector.copy import (
     StreamCopies,
     can_check_while_copying,
     gather_blocks,
+    gather_sealed,
     scatter_blocks,
     scatter_checked,
     slot_matrix,
@@ -380,10 +381,18 @@ class WorkerSide:
         t0 = time.perf_counter()
         blocks = [c.block_id for c in plan.saves]
         slots = [c.slot for c in plan.saves]
+        tier, rank, keys = self._tier, self.rank, [c.key for c in plan.saves]
+
+        def seal(i: int) -> None:
+            tier.seal(slots[i], keys[i], rank, checksum(tier.rank_view(slots[i], rank), keys[i]))
+
         try:
-            gather_blocks(self._layers, self.layout, blocks, self._slots, slots)
-            for c in plan.saves:
-                self._tier.seal(c.slot, c.key, self.rank, checksum(self._tier.rank_view(c.slot, self.rank), c.key))
+            if can_check_while_copying(self._layers, self.layout):
+                gather_sealed(self._layers, self.layout, blocks, self._slots, slots, seal)
+            else:
+                gather_blocks(self._layers, self.layout, blocks, self._slots, slots)
+                for i in range(len(blocks)):
+                    seal(i)
         except Exception:  # noqa: BLE001 - a failed save is only a future miss
             log.exception("kvtier: saving %d blocks failed", len(blocks))
             report.failed_slots.extend(slots)
