@@ -1,0 +1,146 @@
+"""The CPU copy paths of one hit, against memcpy: a load (copies and checksums)
+and a save (copies, checksums and seals), outside vLLM.
+
+Builds an arena (a DramTier on /dev/shm, removed at exit) and KV tensors in
+vLLM's CPU layout for a model geometry, then times, for the blocks of one
+prompt, with fresh random slots and KV blocks each repetition:
+
+* load: ``scatter_checked`` with the checksums read from the slot headers
+  (the worker's CPU load path);
+* save: ``gather_sealed`` (each block's checksum and seal right after its
+  copy, the worker's CPU save path) and, beside it, gathering every block
+  first and sealing after (what the save path did before);
+* copies only: the same block copies with no checksum, and the machine's
+  memcpy (bench/ttft.py ``memcpy_gbps``), the limits.
+
+Prints medians, GB/s and ratios to the copies alone and to memcpy.
+
+Usage: .venv/bin/python bench/blockcopy.py [--geometry bench] [--prompt-tokens 8192]
+       [--block 64] [--reps 15] [--kv-size 1GB] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ttft import memcpy_gbps  # this machine's memcpy, the copies' limit
+
+from kvtier.config import parse_size
+from kvtier.connector.copy import gather_blocks, gather_sealed, scatter_checked, slot_matrix
+from kvtier.layout import KvLayout, LayoutKind, block_major
+from kvtier.tier.dram import DramTier, checksum
+from kvtier.tools.model import GEOMETRIES
+
+
+def run(args: argparse.Namespace) -> dict:
+    geo = GEOMETRIES[args.geometry]
+    dtype = getattr(torch, args.dtype)
+    per_block = 2 * geo.num_kv_heads * args.block * geo.head_size * dtype.itemsize * geo.num_layers
+    kv_blocks = max(parse_size("--kv-size", args.kv_size) // per_block, 4)
+    n = (args.prompt_tokens - 1) // args.block  # the blocks of a full hit: one token is always computed
+    if n > kv_blocks:
+        raise SystemExit(f"--kv-size {args.kv_size} holds {kv_blocks} blocks, fewer than the {n} of one prompt")
+    kv = {f"model.layers.{i}.self_attn.attn": torch.ones(kv_blocks, geo.num_kv_heads, args.block,
+                                                         2 * geo.head_size, dtype=dtype)
+          for i in range(geo.num_layers)}
+    layout = KvLayout.from_kv_caches(kv, kv_blocks, LayoutKind.CPU)
+    layers = [block_major(kv[name], LayoutKind.CPU) for name in layout.layer_names]
+    path = Path(tempfile.mkdtemp(prefix="kvtier-bench-copy-", dir="/dev/shm")) / "arena"
+    tier = DramTier.create(str(path), max(4 * n * layout.block_bytes, 256 << 20), layout.block_bytes, 1)
+    try:
+        tier._slots.fill_(1)  # every slot's pages touched once, as a working arena's are
+        slots = slot_matrix(tier._slots[:, : tier.rank_bytes], layout)
+        keys = [os.urandom(16) for _ in range(n)]
+        rng = random.Random(0)
+
+        def pick() -> tuple[list[int], list[int]]:
+            return rng.sample(range(tier.num_slots), n), rng.sample(range(kv_blocks), n)
+
+        def save_sealed(slot_ids: list[int], blocks: list[int]) -> None:
+            def seal(i: int) -> None:
+                tier.seal(slot_ids[i], keys[i], 0, checksum(tier.rank_view(slot_ids[i], 0), keys[i]))
+            gather_sealed(layers, layout, blocks, slots, slot_ids, seal)
+
+        def save_then_seal(slot_ids: list[int], blocks: list[int]) -> None:
+            gather_blocks(layers, layout, blocks, slots, slot_ids)
+            for i, s in enumerate(slot_ids):
+                tier.seal(s, keys[i], 0, checksum(tier.rank_view(s, 0), keys[i]))
+
+        def load(slot_ids: list[int], blocks: list[int]) -> None:
+            save_sealed(slot_ids, blocks)  # untimed below: headers and checksums to load against
+            start = time.perf_counter()
+            check = tier.data_checks(slot_ids, keys, 0)
+            if scatter_checked(layers, layout, blocks, slots, slot_ids, check):
+                raise AssertionError("a block failed its checksum")
+            return time.perf_counter() - start
+
+        def copies_only(slot_ids: list[int], blocks: list[int]) -> None:
+            scatter_checked(layers, layout, blocks, slots, slot_ids, lambda i: True)
+
+        def timed(fn) -> list[float]:
+            out = []
+            for _ in range(args.reps):
+                slot_ids, blocks = pick()
+                start = time.perf_counter()
+                took = fn(slot_ids, blocks)
+                out.append(took if took is not None else time.perf_counter() - start)
+            return out
+
+        nbytes = n * layout.block_bytes
+        res: dict = {"geometry": args.geometry, "dtype": args.dtype, "blocks": n, "block_bytes": layout.block_bytes,
+                     "bytes": nbytes, "reps": args.reps, "memcpy_GBps": memcpy_gbps()}
+        for name, fn in (("copies_only", copies_only), ("load", load), ("save_sealed", save_sealed),
+                         ("save_then_seal", save_then_seal)):
+            fn(*pick())  # one untimed pass
+            res[name] = timed(fn)
+        return res
+    finally:
+        tier.close()
+        path.unlink(missing_ok=True)
+        path.parent.rmdir()
+
+
+def report(res: dict) -> None:
+    nbytes, memcpy = res["bytes"], res["memcpy_GBps"]
+    copies = statistics.median(res["copies_only"])
+    print(f"{res['blocks']} blocks of {res['block_bytes'] / 1024:.0f} KiB ({nbytes / 2**20:.1f} MiB), "
+          f"{res['geometry']} {res['dtype']}, median of {res['reps']}; memcpy {memcpy:.1f} GB/s")
+    print(f"{'path':16s} {'ms':>7s} {'GB/s':>6s} {'x copies':>9s} {'x memcpy':>9s}")
+    for name in ("copies_only", "load", "save_sealed", "save_then_seal"):
+        t = statistics.median(res[name])
+        gbps = nbytes / t / 1e9
+        print(f"{name:16s} {t * 1e3:7.2f} {gbps:6.1f} {copies / t:9.3f} {gbps / memcpy:9.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--geometry", default="bench", choices=sorted(GEOMETRIES))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--prompt-tokens", type=int, default=8192)
+    ap.add_argument("--block", type=int, default=64, help="tokens a block")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--kv-size", default="1GB", help="vLLM's KV cache to pick blocks from")
+    ap.add_argument("--json", type=Path, help="write the raw samples here")
+    args = ap.parse_args(argv)
+    if args.reps < 1 or args.block < 1 or args.prompt_tokens <= args.block:
+        ap.error("--reps and --block must be positive, --prompt-tokens larger than --block")
+    res = run(args)
+    report(res)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
