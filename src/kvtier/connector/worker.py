@@ -4,9 +4,12 @@ Runs in each vLLM worker process (one per rank). Per engine step:
 
 1. ``start_load_kv`` (before the forward pass): for each planned load,
    check the slot header (key, every rank sealed) and copy the slot into
-   vLLM's block; start verifying the copied slots' checksums in a thread;
+   vLLM's block; on CPU each block's checksum is checked right after its
+   copy, from the cache; device copies are verified in a thread while the
+   forward pass runs;
 2. ``wait_for_save`` (after the forward pass): copy each newly full block
-   into its slot and seal it with its checksum;
+   into its slot and seal it with its checksum (on CPU block by block, the
+   checksum right after the copy);
 3. ``get_block_ids_with_load_errors``: join the verification; every block
    whose header or checksum failed is reported, and vLLM discards what the
    step computed from it and recomputes the block;
