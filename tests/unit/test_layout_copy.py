@@ -10,14 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connector.copy import (
-    can_check_while_copying,
-    gather_blocks,
-    gather_sealed,
-    scatter_blocks,
-    scatter_checked,
-    slot_matrix,
-)
+from kvtier.connector.copy import can_check_while_copying, gather_blocks, gather_sealed, scatter_blocks
+from kvtier.connector.copy import scatter_checked, slot_matrix
 from kvtier.layout import KvLayout, LayoutKind, block_major, block_run, detect_kind, kv_bytes_per_token
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
