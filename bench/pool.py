@@ -30,7 +30,9 @@ Three measurements, each against a peer measured in the same run:
   no prefix ever repeated, TTFT and throughput of two instances on the
   pool against two instances of vLLM alone. Goals: cross-instance hit <=
   1.15x the device hit and within 5 % of the embedded hit; 0 % hits within
-  3 % of vLLM alone.
+  3 % of vLLM alone. Also B's load time of each hit (copies and
+  checksums, from its counters) against the same load outside vLLM
+  measured in the same run (bench/blockcopy.py).
 
 Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--json out.json]
        lookup: [--tokens 65536] [--reps 1000]
@@ -439,6 +441,21 @@ def cpu_by_process(pids: list[int]) -> dict[str, float]:
     return out
 
 
+def standalone_load_s(args: argparse.Namespace) -> float | None:
+    """The median time of one hit's load (copies and checksums) outside
+    vLLM, on this machine now (bench/blockcopy.py); None for a model
+    whose geometry blockcopy does not know."""
+    from blockcopy import run as blockcopy
+
+    from kvtier.tools.model import GEOMETRIES
+
+    if args.geometry not in GEOMETRIES:
+        return None
+    res = blockcopy(argparse.Namespace(geometry=args.geometry, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
+                                       block=args.block, reps=15, kv_size="1GB"))
+    return statistics.median(res["load"])
+
+
 def run_ttft(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
     from ttft import memcpy_gbps  # bench/ttft.py: this machine's memcpy, the loads' limit
@@ -492,6 +509,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
                           log_path=logs / f"vllm-{name}.log")
 
     out: dict = {"geometry": args.geometry, "dtype": args.dtype, "memcpy_GBps": memcpy_gbps(),
+                 "standalone_load_s": standalone_load_s(args),
                  "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                  "hit_reps": args.hit_reps, "gap": args.gap, "hits_only": args.hits_only,
                  "logs": str(logs)}
@@ -517,6 +535,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
                 for s in (a, b):
                     ttft(client, s, prompt(999, 256))
                 cold, device, cross, same, dram, edevice = [], [], [], [], [], []
+                b_loads: list[float] = []  # B's load time (copy and checksum) of each pool hit
                 with server("embedded", {"dram_size": args.dram_size}) as e:
                     ttft(client, e, prompt(999, 256))
                     before = b.metrics()
@@ -530,7 +549,9 @@ def run_ttft(args: argparse.Namespace) -> dict:
                             edevice.append(ttft(client, e, p))
                             e.reset_prefix_cache()  # the device cache forgets; kvtier keeps
                             device.append(ttft(client, a, p))
+                            loaded = b.metrics().get("kvtier_load_seconds_total", 0.0)
                             cross.append(ttft(client, b, p))  # B's device cache never holds it: from the pool
+                            b_loads.append(b.metrics().get("kvtier_load_seconds_total", 0.0) - loaded)
                             b.reset_prefix_cache()
                             dram.append(ttft(client, e, p))
                         a.reset_prefix_cache()
@@ -545,6 +566,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
                                  "kvtier_load_errors_total", "kvtier_bytes_loaded_total",
                                  "kvtier_load_seconds_total")}
                 out["pool"]["b_counters"] = got
+                out["pool"]["b_load_s"] = b_loads
                 out["pool"]["b_expected_hit_tokens"] = hit_tokens * args.rounds * args.hit_reps
     return out
 
@@ -605,6 +627,19 @@ def print_ttft(res: dict) -> None:
               f"machine's memcpy ({res['memcpy_GBps']:.1f} GB/s); "
               f"{c['kvtier_bytes_loaded_total'] / max(1, c['kvtier_blocks_loaded_total']) / 1024:.0f} KiB "
               "a block.")
+    loads = sorted(pool.get("b_load_s") or [])
+    if loads:
+        # A hit's load inside vLLM, against the same copies and checksums
+        # outside it measured in this run: what the machine adds, hit by hit.
+        p90 = loads[min(len(loads) - 1, round(0.9 * (len(loads) - 1)))]
+        line = (f"B's load a hit: median {med(loads) * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms, "
+                f"max {loads[-1] * 1000:.1f} ms")
+        alone = res.get("standalone_load_s")
+        if alone:
+            slow = sum(t > 2 * alone for t in loads)
+            line += (f"; the same load outside vLLM {alone * 1000:.1f} ms (bench/blockcopy.py): median "
+                     f"{med(loads) / alone:.2f}x, {slow} of {len(loads)} hits over 2x")
+        print(line + ".")
 
 
 # --- main -------------------------------------------------------------------------
