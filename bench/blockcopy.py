@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> dict:
     geo = GEOMETRIES[args.geometry]
     dtype = getattr(torch, args.dtype)
     per_block = 2 * geo.num_kv_heads * args.block * geo.head_size * dtype.itemsize * geo.num_layers
-    kv_blocks = max(parse_size("--kv-size", args.kv_size) // per_block, 4)
+    kv_blocks = parse_size("--kv-size", args.kv_size) // per_block
     n = (args.prompt_tokens - 1) // args.block  # the blocks of a full hit: one token is always computed
     if n > kv_blocks:
         raise SystemExit(f"--kv-size {args.kv_size} holds {kv_blocks} blocks, fewer than the {n} of one prompt")

@@ -1,0 +1,49 @@
+"""bench/blockcopy.py runs the worker's CPU copy paths on a real arena and
+leaves nothing behind; its figures are what docs/benchmarks.md quotes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def blockcopy(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # it imports bench/ttft.py for memcpy
+    spec = importlib.util.spec_from_file_location("kvtier_bench_blockcopy", BENCH / "blockcopy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("ttft", None)
+
+
+def shm_dirs() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("kvtier-bench-copy-")}
+
+
+def test_times_each_path_and_removes_its_arena(blockcopy, capsys) -> None:
+    before = shm_dirs()
+    res = blockcopy.run(argparse.Namespace(geometry="tiny", dtype="bfloat16", prompt_tokens=257, block=16,
+                                           reps=2, kv_size="64MB"))
+    assert shm_dirs() == before
+    assert res["blocks"] == 16  # (257 - 1) // 16: the blocks of a full hit
+    assert res["bytes"] == 16 * res["block_bytes"]
+    for path in ("copies_only", "load", "save_sealed", "save_then_seal"):
+        assert len(res[path]) == 2 and all(t > 0 for t in res[path]), path
+    blockcopy.report(res)
+    out = capsys.readouterr().out
+    assert "16 blocks of" in out and "save_sealed" in out and "x memcpy" in out
+
+
+def test_a_kv_cache_smaller_than_one_prompt_is_refused_by_name(blockcopy) -> None:
+    with pytest.raises(SystemExit, match="--kv-size 1MB holds 2 blocks"):
+        blockcopy.main(["--geometry", "bench", "--kv-size", "1MB", "--reps", "1"])
+    with pytest.raises(SystemExit):
+        blockcopy.main(["--reps", "0"])
