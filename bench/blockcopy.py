@@ -6,7 +6,9 @@ vLLM's CPU layout for a model geometry, then times, for the blocks of one
 prompt, with fresh random slots and KV blocks each repetition:
 
 * load: ``scatter_checked`` with the checksums read from the slot headers
-  (the worker's CPU load path);
+  (the worker's CPU load path), from slots saved before any timing (four
+  prompts' worth, taken in turn) into blocks of the half of the KV cache
+  the saves did not read: neither side was just touched;
 * save: ``gather_sealed`` (each block's checksum and seal right after its
   copy, the worker's CPU save path) and, beside it, gathering every block
   first and sealing after (what the save path did before);
@@ -42,6 +44,8 @@ from kvtier.layout import KvLayout, LayoutKind, block_major
 from kvtier.tier.dram import DramTier, checksum
 from kvtier.tools.model import GEOMETRIES
 
+GROUPS = 4  # prompts saved for the loads to take in turn
+
 
 def run(args: argparse.Namespace) -> dict:
     geo = GEOMETRIES[args.geometry]
@@ -49,25 +53,35 @@ def run(args: argparse.Namespace) -> dict:
     per_block = 2 * geo.num_kv_heads * args.block * geo.head_size * dtype.itemsize * geo.num_layers
     kv_blocks = parse_size("--kv-size", args.kv_size) // per_block
     n = (args.prompt_tokens - 1) // args.block  # the blocks of a full hit: one token is always computed
-    if n > kv_blocks:
-        raise SystemExit(f"--kv-size {args.kv_size} holds {kv_blocks} blocks, fewer than the {n} of one prompt")
+    if 2 * n > kv_blocks:
+        raise SystemExit(f"--kv-size {args.kv_size} holds {kv_blocks} blocks, fewer than the {2 * n} of two "
+                         "prompts (the loads' sources and destinations)")
     kv = {f"model.layers.{i}.self_attn.attn": torch.ones(kv_blocks, geo.num_kv_heads, args.block,
                                                          2 * geo.head_size, dtype=dtype)
           for i in range(geo.num_layers)}
     layout = KvLayout.from_kv_caches(kv, kv_blocks, LayoutKind.CPU)
     layers = [block_major(kv[name], LayoutKind.CPU) for name in layout.layer_names]
     path = Path(tempfile.mkdtemp(prefix="kvtier-bench-copy-", dir="/dev/shm")) / "arena"
-    tier = DramTier.create(str(path), max(4 * n * layout.block_bytes, 256 << 20), layout.block_bytes, 1)
+    tier = DramTier.create(str(path), max(GROUPS * n * layout.block_bytes + (8 << 20), 256 << 20),
+                           layout.block_bytes, 1)
     try:
+        if tier.num_slots < GROUPS * n:
+            raise AssertionError(f"the arena holds {tier.num_slots} slots, not {GROUPS * n}")
         tier._slots.fill_(1)  # every slot's pages touched once, as a working arena's are
         slots = slot_matrix(tier._slots[:, : tier.rank_bytes], layout)
         keys = [os.urandom(16) for _ in range(n)]
         rng = random.Random(0)
+        # The loads read slots saved before any timing, four prompts' worth
+        # taken in turn, from source blocks in the first half of the KV
+        # cache, into blocks of the second half: neither side was just
+        # touched, as in a server where another instance saved the prefix.
+        groups = [rng.sample(range(g * n, (g + 1) * n), n) for g in range(GROUPS)]
+        group_keys = [[os.urandom(16) for _ in range(n)] for _ in range(GROUPS)]
 
         def pick() -> tuple[list[int], list[int]]:
             return rng.sample(range(tier.num_slots), n), rng.sample(range(kv_blocks), n)
 
-        def save_sealed(slot_ids: list[int], blocks: list[int]) -> None:
+        def save_sealed(slot_ids: list[int], blocks: list[int], keys: list[bytes] = keys) -> None:
             def seal(i: int) -> None:
                 tier.seal(slot_ids[i], keys[i], 0, checksum(tier.rank_view(slot_ids[i], 0), keys[i]))
             gather_sealed(layers, layout, blocks, slots, slot_ids, seal)
@@ -77,13 +91,20 @@ def run(args: argparse.Namespace) -> dict:
             for i, s in enumerate(slot_ids):
                 tier.seal(s, keys[i], 0, checksum(tier.rank_view(s, 0), keys[i]))
 
-        def load(slot_ids: list[int], blocks: list[int]) -> None:
-            save_sealed(slot_ids, blocks)  # untimed below: headers and checksums to load against
-            start = time.perf_counter()
-            check = tier.data_checks(slot_ids, keys, 0)
-            if scatter_checked(layers, layout, blocks, slots, slot_ids, check):
-                raise AssertionError("a block failed its checksum")
-            return time.perf_counter() - start
+        def loads() -> list[float]:
+            half = kv_blocks // 2
+            for g in range(GROUPS):
+                save_sealed(groups[g], rng.sample(range(half), n), group_keys[g])
+            out = []
+            for r in range(args.reps + 1):  # the first one untimed
+                g = r % GROUPS
+                blocks = rng.sample(range(half, kv_blocks), n)
+                start = time.perf_counter()
+                check = tier.data_checks(groups[g], group_keys[g], 0)
+                if scatter_checked(layers, layout, blocks, slots, groups[g], check):
+                    raise AssertionError("a block failed its checksum")
+                out.append(time.perf_counter() - start)
+            return out[1:]
 
         def copies_only(slot_ids: list[int], blocks: list[int]) -> None:
             scatter_checked(layers, layout, blocks, slots, slot_ids, lambda i: True)
@@ -93,14 +114,15 @@ def run(args: argparse.Namespace) -> dict:
             for _ in range(args.reps):
                 slot_ids, blocks = pick()
                 start = time.perf_counter()
-                took = fn(slot_ids, blocks)
-                out.append(took if took is not None else time.perf_counter() - start)
+                fn(slot_ids, blocks)
+                out.append(time.perf_counter() - start)
             return out
 
         nbytes = n * layout.block_bytes
         res: dict = {"geometry": args.geometry, "dtype": args.dtype, "blocks": n, "block_bytes": layout.block_bytes,
                      "bytes": nbytes, "reps": args.reps, "memcpy_GBps": memcpy_gbps()}
-        for name, fn in (("copies_only", copies_only), ("load", load), ("save_sealed", save_sealed),
+        res["load"] = loads()
+        for name, fn in (("copies_only", copies_only), ("save_sealed", save_sealed),
                          ("save_then_seal", save_then_seal)):
             fn(*pick())  # one untimed pass
             res[name] = timed(fn)

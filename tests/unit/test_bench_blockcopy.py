@@ -43,7 +43,7 @@ def test_times_each_path_and_removes_its_arena(blockcopy, capsys) -> None:
 
 
 def test_a_kv_cache_smaller_than_one_prompt_is_refused_by_name(blockcopy) -> None:
-    with pytest.raises(SystemExit, match="--kv-size 1MB holds 2 blocks"):
+    with pytest.raises(SystemExit, match="--kv-size 1MB holds 2 blocks, fewer than the 254"):
         blockcopy.main(["--geometry", "bench", "--kv-size", "1MB", "--reps", "1"])
     with pytest.raises(SystemExit):
         blockcopy.main(["--reps", "0"])

@@ -147,7 +147,8 @@ def gather_sealed(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: S
     ``seal(i)`` for the ``i``-th block, which checksums the slot while the
     bytes just written are still in the cache: gathering every block first
     and checksumming after read them all again from memory (an 8k-token
-    save of 127 blocks of 512 KiB: 4.9 ms against 6.6 ms, docs/benchmarks.md).
+    save of 127 blocks of 512 KiB: 4.8-5.3 ms against 6.2-6.9 ms,
+    bench/blockcopy.py).
     Only for :func:`can_check_while_copying`. An exception ends the call:
     the blocks sealed before it are whole, the others may not be.
     """
