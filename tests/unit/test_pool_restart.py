@@ -60,6 +60,7 @@ def wait_connected(c: PoolPlacement) -> None:
 def test_a_restarted_service_adopts_the_blocks_that_verify_and_nothing_else(tmp_path: Path) -> None:
     conf = configs(tmp_path)
     meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    c = None
     try:
         c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i")
         published, unpublished, corrupt, doomed = keys(1, 4), keys(2, 2), keys(3, 2), keys(4, 2)
@@ -95,8 +96,9 @@ def test_a_restarted_service_adopts_the_blocks_that_verify_and_nothing_else(tmp_
         # ones were cleared when they were dropped.
         assert health["slots"]["held"] == 4
         c.complete_step(1)
-        c.shutdown()
     finally:
+        if c is not None:
+            c.shutdown()  # an open client would keep reconnecting to this port
         meta.stop()
     assert not any((tmp_path / "shm").iterdir())  # a clean stop removes the arena
 
@@ -104,6 +106,7 @@ def test_a_restarted_service_adopts_the_blocks_that_verify_and_nothing_else(tmp_
 def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(tmp_path: Path) -> None:
     conf = configs(tmp_path)
     meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    c = d = None
     try:
         c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i")
         ks = keys(5, 2)
@@ -117,6 +120,8 @@ def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(t
         assert d.arena_path != old and not Path(old).exists()
         assert d.probe(ks).total == 0
         assert "starting cold" in meta.log_text()
-        d.shutdown()
     finally:
+        for placement in (c, d):
+            if placement is not None:
+                placement.shutdown()
         meta.stop()

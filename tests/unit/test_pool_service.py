@@ -51,10 +51,26 @@ def service(tmp_path: Path) -> Iterator[MetaService]:
     svc.stop()
 
 
+_clients: list[PoolPlacement] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """Every client a test made is shut down after it: a client left open
+    keeps reconnecting to its address, and a later test's service that is
+    given the same port would take it for an instance (and the geometry of
+    its blocks for the pool's)."""
+    yield
+    while _clients:
+        _clients.pop().shutdown()
+
+
 def client(svc: MetaService, **kw: object) -> PoolPlacement:
     opts: dict = dict(ranks=1, rank_bytes=RANK_BYTES, name="test")
     opts.update(kw)
-    return PoolPlacement(svc.address, **opts)
+    c = PoolPlacement(svc.address, **opts)
+    _clients.append(c)
+    return c
 
 
 def write_blocks(arena: str, slots: list[int | None], ks: list[bytes], fill: int) -> None:
