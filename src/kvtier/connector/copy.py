@@ -10,9 +10,10 @@ CPU and CUDA. Two paths, chosen by the KV tensors' device:
   single-threaded index_put. Splitting the blocks over two threads was
   slower still: vLLM's CPU worker binds its thread to one core, so a
   thread started from it shares that core; bound to the worker's other
-  cores instead, it meets vLLM's OpenMP threads spinning there after each
-  parallel region (an 8k-token pool hit's load inside vLLM: 7.7 ms on two
-  threads against 5.7 ms on one, docs/benchmarks.md).
+  cores instead, it shares those with vLLM's OpenMP threads and the
+  node's other processes, and was slower still (an 8k-token pool hit's
+  load inside vLLM: 7.1-7.7 ms on two threads against 5.6-5.7 ms on one,
+  docs/benchmarks.md).
 * accelerator: one ``copy_(non_blocking=True)`` per block and layer,
   straight between the device block and the slot, on a stream of the
   worker's own (:class:`StreamCopies`). With the arena registered as
