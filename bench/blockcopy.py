@@ -40,7 +40,7 @@ from ttft import memcpy_gbps  # this machine's memcpy, the copies' limit
 
 from kvtier.config import parse_size
 from kvtier.connector.copy import gather_blocks, gather_sealed, scatter_checked, slot_matrix
-from kvtier.layout import KvLayout, LayoutKind, block_major
+from kvtier.layout import KvLayout, LayoutKind, block_major, kv_bytes_per_token
 from kvtier.tier.dram import DramTier, checksum
 from kvtier.tools.model import GEOMETRIES
 
@@ -50,7 +50,7 @@ GROUPS = 4  # prompts saved for the loads to take in turn
 def run(args: argparse.Namespace) -> dict:
     geo = GEOMETRIES[args.geometry]
     dtype = getattr(torch, args.dtype)
-    per_block = 2 * geo.num_kv_heads * args.block * geo.head_size * dtype.itemsize * geo.num_layers
+    per_block = kv_bytes_per_token(geo.num_layers, geo.num_kv_heads, geo.head_size, dtype.itemsize) * args.block
     kv_blocks = parse_size("--kv-size", args.kv_size) // per_block
     n = (args.prompt_tokens - 1) // args.block  # the blocks of a full hit: one token is always computed
     if 2 * n > kv_blocks:

@@ -447,12 +447,18 @@ def standalone_load_s(args: argparse.Namespace) -> float | None:
     whose geometry blockcopy does not know."""
     from blockcopy import run as blockcopy
 
+    import torch
+
+    from kvtier.layout import kv_bytes_per_token
     from kvtier.tools.model import GEOMETRIES
 
-    if args.geometry not in GEOMETRIES:
+    geo = GEOMETRIES.get(args.geometry)
+    if geo is None:
         return None
+    token = kv_bytes_per_token(geo.num_layers, geo.num_kv_heads, geo.head_size, getattr(torch, args.dtype).itemsize)
+    kv_bytes = max(1 << 30, 2 * (args.prompt_tokens + args.block) * token)  # the loads' sources and destinations
     res = blockcopy(argparse.Namespace(geometry=args.geometry, dtype=args.dtype, prompt_tokens=args.prompt_tokens,
-                                       block=args.block, reps=15, kv_size="1GB"))
+                                       block=args.block, reps=15, kv_size=kv_bytes))
     return statistics.median(res["load"])
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -127,16 +127,8 @@ def scatter_checked(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids:
     ``bad``: the list to append the failed positions to (also the return
     value), so that what was found before an exception is not lost.
     """
-    nbytes = layout.layer_block_bytes
-    slot_base = slots.data_ptr()
-    s_stride, l_stride = slots.stride(0), slots.stride(1)
-    bases = [(bm.data_ptr(), bm.stride(0) * bm.element_size()) for bm in layers]
     bad = [] if bad is None else bad
-    memmove = ctypes.memmove
-    for i, (b, s) in enumerate(zip(block_ids, slot_ids)):
-        slot = slot_base + s * s_stride
-        for j, (base, stride) in enumerate(bases):
-            memmove(base + b * stride, slot + j * l_stride, nbytes)
+    for i in _block_by_block(layers, layout, block_ids, slots, slot_ids, to_slots=False):
         if not check(i):
             bad.append(i)
     return bad
@@ -153,6 +145,15 @@ def gather_sealed(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: S
     Only for :func:`can_check_while_copying`. An exception ends the call:
     the blocks sealed before it are whole, the others may not be.
     """
+    for i in _block_by_block(layers, layout, block_ids, slots, slot_ids, to_slots=True):
+        seal(i)
+
+
+def _block_by_block(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
+                    slots: torch.Tensor, slot_ids: Sequence[int], to_slots: bool) -> Iterator[int]:
+    """Copy block ``i`` in every layer (one memmove each, towards the slots
+    or from them), then yield ``i``: the caller checks or seals it while
+    its bytes are in the cache, before the next block is copied."""
     nbytes = layout.layer_block_bytes
     slot_base = slots.data_ptr()
     s_stride, l_stride = slots.stride(0), slots.stride(1)
@@ -161,8 +162,11 @@ def gather_sealed(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: S
     for i, (b, s) in enumerate(zip(block_ids, slot_ids)):
         slot = slot_base + s * s_stride
         for j, (base, stride) in enumerate(bases):
-            memmove(slot + j * l_stride, base + b * stride, nbytes)
-        seal(i)
+            if to_slots:
+                memmove(slot + j * l_stride, base + b * stride, nbytes)
+            else:
+                memmove(base + b * stride, slot + j * l_stride, nbytes)
+        yield i
 
 
 def _copy_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
