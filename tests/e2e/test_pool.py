@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -217,9 +216,7 @@ def test_killed_instance_leaves_nothing_held_and_the_other_keeps_hitting(node: N
     for t in threads:
         t.start()
     wait_running(b)
-    pids = b.pids()  # the API server and its engine, killed mid-save
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    b.kill()  # the API server and its engine, killed mid-save
     for t in threads:
         t.join()
     b.stop()

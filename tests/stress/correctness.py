@@ -110,8 +110,6 @@ def ask_quietly(url: str, prompt: list[int]) -> None:
 
 def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int) -> None:
     """SIGKILL every process of the server while ``prompts`` are being served."""
-    import signal
-
     with ThreadPoolExecutor(concurrency) as pool:
         for p in prompts:
             pool.submit(ask_quietly, srv.url, p)
@@ -119,7 +117,7 @@ def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int
         # Kill once the engine is working on them (loading, computing, saving).
         while not srv.metrics().get("vllm:num_requests_running", 0.0) and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.kill()
         srv.proc.wait()
 
 

@@ -36,6 +36,20 @@ def test_stop_signals_the_recorded_supervisor(tmp_path: Path) -> None:
     assert sup.wait(10) == 7  # it got SIGTERM, the clean stop
 
 
+def test_an_exited_process_not_yet_reaped_counts_as_gone() -> None:
+    # kvtier stop waits for the supervisor to be gone; one whose parent has
+    # not reaped it yet (a zombie) has stopped.
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    start = process_start_time(p.pid)
+    p.stdin.close()  # type: ignore[union-attr]  # now it exits
+    try:
+        while open(f"/proc/{p.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            time.sleep(0.01)
+        assert start is not None and process_start_time(p.pid) is None
+    finally:
+        p.wait()
+
+
 def test_stop_leaves_a_reused_pid_alone(tmp_path: Path) -> None:
     other = waiter()
     try:

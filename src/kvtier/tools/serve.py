@@ -31,19 +31,21 @@ from pathlib import Path
 import httpx
 
 from kvtier.tools.meta import MetaProcess
-from kvtier.tools.server import ServerError, free_port, log_tail, stop_group
+from kvtier.tools.server import (ServerError, free_port, log_tail, poll_until, remove_files, session_pids, stop_group,
+                                 vllm_shm_files)
 
 STATE_FILE = "serve.json"
 
 
 def process_start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None if gone."""
+    """The process's start time in clock ticks since boot (/proc/PID/stat
+    field 22), None if gone or exited (a zombie its parent has not reaped)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
+            fields = f.read().rpartition(")")[2].split()
     except OSError:
         return None
-    return int(text.rpartition(")")[2].split()[19])
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def default_configs(folder: Path) -> tuple[Path, Path]:
@@ -235,13 +237,24 @@ def stop(log_dir: str, timeout_s: float = 120.0) -> int:
         if process_start_time(sup[0]["pid"]) != sup[0]["start"]:
             print("stopped")
             return 0
-    # No supervisor (killed): the recorded processes, each checked again.
-    for p in procs:
-        if p["role"] != "supervisor" and process_start_time(p["pid"]) == p["start"]:
+    # No supervisor (killed): the recorded processes, each checked again,
+    # stopped as stop_group does for a child.
+    leaders = [p["pid"] for p in procs if p["role"] != "supervisor" and process_start_time(p["pid"]) == p["start"]]
+    files = vllm_shm_files([pid for leader in leaders for pid in session_pids(leader)])
+    for pid in leaders:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    poll_until(lambda: not any(session_pids(pid) for pid in leaders), timeout_s)
+    for pid in leaders:
+        if session_pids(pid):
             try:
-                os.killpg(p["pid"], signal.SIGTERM)
+                os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    poll_until(lambda: not any(session_pids(pid) for pid in leaders), 5.0)
+    remove_files(files)
     path.unlink(missing_ok=True)
     print("stopped")
     return 0

@@ -3,7 +3,8 @@
 Runs in tests, the demo and benchmarks. :class:`VllmServer` is a context
 manager: it starts ``python -m vllm.entrypoints.openai.api_server`` as a
 child process in its own process group on 127.0.0.1, waits for /health,
-and on exit stops the whole group (SIGINT, then SIGKILL). The server's
+and on exit stops it (SIGINT to the API server, SIGKILL to what is left of
+its session, then vLLM's leftover shared memory: :func:`stop_group`). The server's
 output goes to a log file, readable with :meth:`VllmServer.log_text`.
 """
 
@@ -96,20 +97,86 @@ class ServerError(RuntimeError):
     pass
 
 
-def stop_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGINT, timeout_s: float = 30.0) -> int:
-    """Stop the process group ``proc`` leads: ``first``, then SIGKILL after
-    ``timeout_s``; returns its exit status."""
+# vLLM's own segments in /dev/shm: its message queues (``psm_*``, Python's
+# shared_memory) and, with tensor parallelism on CPU, the ranks'
+# ``vllm_dist_*-cpushm_N``, which vLLM creates at start-up and never
+# removes. (Its named semaphores, ``sem.mp-*``, are mapped by no process;
+# vLLM removes them itself when its API server is stopped alone.)
+VLLM_SHM_NAME = re.compile(r"(psm_[0-9a-f]+|vllm_dist_[\w.:\[\]-]+-cpushm_\d+)")
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (zombies left out)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            out.append(int(entry))
+    return out
+
+
+def vllm_shm_files(pids: list[int]) -> set[str]:
+    """vLLM's files in /dev/shm that processes ``pids`` map (names as :data:`VLLM_SHM_NAME`)."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    if path.startswith("/dev/shm/") and VLLM_SHM_NAME.fullmatch(path[9:]):
+                        found.add(path)
+        except OSError:
+            continue
+    return found
+
+
+def stop_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGINT, timeout_s: float = 30.0,
+               grace_s: float = 10.0, files: set[str] | None = None) -> int:
+    """Stop the session ``proc`` leads; returns ``proc``'s exit status.
+
+    ``first`` goes to ``proc`` alone: vLLM's API server then stops its
+    engine and workers in order and they remove their shared memory (the
+    same signal sent to every process at once left /dev/shm/psm_* and
+    sem.mp-* behind). What is left of the session ``grace_s`` after
+    ``proc`` exited (or ``timeout_s`` after the signal) gets SIGKILL. Then
+    vLLM's segments in /dev/shm (:data:`VLLM_SHM_NAME`) that the session
+    mapped, now or in ``files`` (recorded earlier, for a session killed
+    since), and that are still there are removed: nothing else has them,
+    and with tensor parallelism on CPU vLLM leaves its ranks' segments
+    (2 x 4 MiB) behind on every stop.
+    """
+    files = set(files or ()) | vllm_shm_files(session_pids(proc.pid))
     if proc.poll() is None:
         try:
-            os.killpg(proc.pid, first)
+            os.kill(proc.pid, first)
             proc.wait(timeout_s)
         except (subprocess.TimeoutExpired, ProcessLookupError):
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return proc.wait()
+    poll_until(lambda: not [p for p in session_pids(proc.pid) if p != proc.pid], grace_s)
+    if proc.poll() is None or session_pids(proc.pid):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    rc = proc.wait()
+    poll_until(lambda: not session_pids(proc.pid), 5.0)
+    remove_files(files)
+    return rc
+
+
+def remove_files(paths: set[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def log_tail(path: str | Path, lines: int = 40) -> str:
@@ -129,6 +196,7 @@ class VllmServer:
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
+        self._shm: set[str] = set()
 
     def start(self) -> VllmServer:
         env = dict(os.environ)
@@ -145,6 +213,7 @@ class VllmServer:
         self.proc = subprocess.Popen(self.options.argv(self.port), stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self._wait_ready()
+        self._shm = vllm_shm_files(session_pids(self.proc.pid))  # for a stop after a kill -9
         return self
 
     def _wait_ready(self) -> None:
@@ -171,8 +240,19 @@ class VllmServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        stop_group(self.proc, signal.SIGINT)
+        stop_group(self.proc, signal.SIGINT, files=self._shm)
         self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL to every process of the server at once (a crash), after
+        noting vLLM's shared memory for :meth:`stop` to remove."""
+        pids = self.pids()
+        self._shm |= vllm_shm_files(pids)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -198,16 +278,7 @@ class VllmServer:
 
     def pids(self) -> list[int]:
         """The server's processes (it runs in a session of its own)."""
-        sid = self.proc.pid
-        out = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    if os.getsid(int(entry)) == sid:
-                        out.append(int(entry))
-                except OSError:
-                    pass
-        return out
+        return session_pids(self.proc.pid)
 
     def pss_bytes(self) -> int:
         """Proportional set size of all the server's processes: shared pages counted once."""
