@@ -15,26 +15,30 @@ import httpx
 import pytest
 
 from kvtier.tools.model import build_model
-from kvtier.tools.server import VLLM_SHM_NAME, ServerOptions, VllmServer, vllm_shm_files
+from kvtier.tools.server import ServerOptions, VllmServer, vllm_shm_files
 
 BLOCK = 64
 DEVICE_BLOCKS = 40  # a device cache of 2,560 tokens: too small for the working set
 CHUNK = 512  # prefill chunk, shorter than every long prompt here
 
 
-def _vllm_shm_now() -> set[str]:
-    return {"/dev/shm/" + n for n in os.listdir("/dev/shm") if VLLM_SHM_NAME.fullmatch(n)}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def no_shared_memory_left_behind() -> Iterator[None]:
-    """vLLM's segments in /dev/shm that a module's servers created are gone
-    once they have stopped or been killed (autouse: torn down after the
-    module's servers)."""
-    before = _vllm_shm_now()
-    yield
-    live = vllm_shm_files([int(p) for p in os.listdir("/proc") if p.isdigit()])
-    assert sorted(_vllm_shm_now() - before - live) == []
+    """vLLM's segments in /dev/shm that a module's servers mapped are gone
+    once they have stopped or been killed (autouse: set up before the
+    module's servers, torn down after them)."""
+    seen: set[str] = set()
+    stop = VllmServer.stop
+
+    def noting_stop(self: VllmServer) -> None:
+        if self.proc is not None:
+            seen.update(self.shm_files | vllm_shm_files(self.pids()))
+        stop(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(VllmServer, "stop", noting_stop)
+        yield
+    assert sorted(p for p in seen if os.path.exists(p)) == []
 
 
 @pytest.fixture(scope="session")

@@ -196,7 +196,7 @@ class VllmServer:
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
-        self._shm: set[str] = set()
+        self.shm_files: set[str] = set()  # vLLM's segments its processes mapped (for stop)
 
     def start(self) -> VllmServer:
         env = dict(os.environ)
@@ -213,7 +213,7 @@ class VllmServer:
         self.proc = subprocess.Popen(self.options.argv(self.port), stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self._wait_ready()
-        self._shm = vllm_shm_files(session_pids(self.proc.pid))  # for a stop after a kill -9
+        self.shm_files = vllm_shm_files(session_pids(self.proc.pid))  # for a stop after a kill -9
         return self
 
     def _wait_ready(self) -> None:
@@ -240,14 +240,14 @@ class VllmServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        stop_group(self.proc, signal.SIGINT, files=self._shm)
+        stop_group(self.proc, signal.SIGINT, files=self.shm_files)
         self._log.close()
 
     def kill(self) -> None:
         """SIGKILL to every process of the server at once (a crash), after
         noting vLLM's shared memory for :meth:`stop` to remove."""
         pids = self.pids()
-        self._shm |= vllm_shm_files(pids)
+        self.shm_files |= vllm_shm_files(pids)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
