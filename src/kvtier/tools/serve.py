@@ -247,12 +247,11 @@ def stop(log_dir: str, timeout_s: float = 120.0) -> int:
         except ProcessLookupError:
             pass
     poll_until(lambda: not any(session_pids(pid) for pid in leaders), timeout_s)
-    for pid in leaders:
-        if session_pids(pid):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    for pid in [p for leader in leaders for p in session_pids(leader)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     poll_until(lambda: not any(session_pids(pid) for pid in leaders), 5.0)
     remove_files(files)
     path.unlink(missing_ok=True)

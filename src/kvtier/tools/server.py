@@ -159,10 +159,11 @@ def stop_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGINT, ti
             proc.wait(timeout_s)
         except (subprocess.TimeoutExpired, ProcessLookupError):
             pass
-    poll_until(lambda: not [p for p in session_pids(proc.pid) if p != proc.pid], grace_s)
-    if proc.poll() is None or session_pids(proc.pid):
+    if proc.poll() is not None:
+        poll_until(lambda: not session_pids(proc.pid), grace_s)
+    for pid in session_pids(proc.pid):
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     rc = proc.wait()
