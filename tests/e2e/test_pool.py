@@ -139,15 +139,17 @@ def test_a_prefix_prefilled_on_a_is_a_dram_hit_on_b(node: Node) -> None:
 def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node) -> None:
     a, b = node.servers["a"], node.servers["b"]
     prompts = [tokens(40 + i, 12 * BLOCK + 3) for i in range(6)]
-    # References: each prompt cold on A, then pushed into the pool.
-    refs = [complete(a, p)["text"] for p in prompts]
+    # References: each prompt cold on A, then pushed into the pool. 48
+    # tokens each: the 12 requests below run long enough to be seen running
+    # (with 12, pool hits could all finish between two looks).
+    refs = [complete(a, p, max_tokens=48)["text"] for p in prompts]
     results: list[str | None] = [None] * 12
     start = threading.Event()
 
     def ask(i: int) -> None:
         start.wait()
         srv = b if i % 2 else a
-        results[i] = complete(srv, prompts[i % 6])["text"]
+        results[i] = complete(srv, prompts[i % 6], max_tokens=48)["text"]
 
     with ThreadPoolExecutor(12) as pool:
         futs = [pool.submit(ask, i) for i in range(12)]
