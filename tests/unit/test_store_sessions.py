@@ -203,3 +203,23 @@ def test_session_holds_counts_every_pin_and_pending_entry(make_store) -> None:
     stats = store.statistics()
     assert (stats.pinned_slots, stats.pending_slots) == (0, 1)
     assert readable(store, [K(6), K(7), K(8)]) == [True, True, False]
+
+
+def test_slots_held_after_a_dead_session_count_as_used_for_eviction(make_store) -> None:
+    store = make_store()  # 20 slots: evict above 19, down to 17
+    save_ready(store, [K(i) for i in range(10)], 1, owner=A)
+    b_slots = store.prepare_save([K(100 + i) for i in range(9)], 1, owner=B)
+    assert None not in b_slots
+    # B died mid-save: its 9 slots are held (its workers may still write).
+    assert store.end_session(B, hold_until=1e9) == (0, 9)
+    assert store.held_slots == 9
+    # A's next save of 5 blocks: one slot is free; the held ones are used
+    # slots all the same, so the store evicts A's older blocks to make room
+    # instead of placing one block and dropping four.
+    slots = store.prepare_save([K(200 + i) for i in range(5)], 2, owner=A)
+    assert None not in slots
+    assert not set(slots) & set(b_slots)
+    assert store.statistics().events.evictions >= 4
+    store.complete_step(2, owner=A)
+    assert store.release_held(1e9) == 9 and store.held_slots == 0
+    assert None not in store.prepare_save([K(300 + i) for i in range(5)], 3, owner=A)
