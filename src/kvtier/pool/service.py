@@ -393,9 +393,13 @@ class MetaService:
             self._sessions[sid] = session
             self.sessions_started += 1
         page = self._stats_page
-        conn.sendall(wire.encode(wire.Welcome(wire.PROTOCOL_VERSION, sid, store.tier.path, store.tier.num_slots,
-                                              self.opts.lease_ttl_ms, store.ssd is not None,
-                                              page.path if page is not None else "")))
+        try:
+            conn.sendall(wire.encode(wire.Welcome(wire.PROTOCOL_VERSION, sid, store.tier.path, store.tier.num_slots,
+                                                  self.opts.lease_ttl_ms, store.ssd is not None,
+                                                  page.path if page is not None else "")))
+        except OSError as err:  # the client gave up waiting: no session was started
+            self._end(session, f"the Welcome could not be sent ({err})")
+            return None
         log.info("kvtier meta: session %d: %s (pid %d) from %s", sid, session.name, msg.pid, peer)
         return session
 
@@ -473,14 +477,17 @@ class MetaService:
     def _lease_loop(self) -> None:
         ttl = self.opts.lease_ttl_ms / 1000
         while not self._stop.wait(min(1.0, ttl / 4)):
-            now = time.monotonic()
-            if self.store is not None:
-                self.store.release_held(now)
-            with self._lock:
-                late = [s for s in self._sessions.values() if now - s.last_seen > ttl]
-            for s in late:
-                self.sessions_expired += 1
-                self._end(s, f"nothing heard for {self.opts.lease_ttl_ms} ms")
+            try:
+                now = time.monotonic()
+                if self.store is not None:
+                    self.store.release_held(now)
+                with self._lock:
+                    late = [s for s in self._sessions.values() if now - s.last_seen > ttl]
+                for s in late:
+                    self.sessions_expired += 1
+                    self._end(s, f"nothing heard for {self.opts.lease_ttl_ms} ms")
+            except Exception:  # noqa: BLE001 - leases must keep ending whatever one pass met
+                log.exception("kvtier meta: ending expired leases failed; retrying")
 
     def _end(self, s: Session, why: str) -> None:
         with s.lock:
