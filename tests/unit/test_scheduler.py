@@ -253,3 +253,41 @@ def test_the_wait_is_longer_only_when_nothing_else_runs(side: SchedulerSide, sto
     assert side.get_num_new_matched_tokens(waiting, 0) == (None, False)
     assert waits == [side.promote_poll_s, side.idle_poll_s, side.promote_poll_s]
     assert side.idle_poll_s > side.promote_poll_s
+
+
+# --- a failed load leaves vLLM's prefix cache ----------------------------------------
+
+
+class EvictingManager(Manager):
+    def __init__(self) -> None:
+        super().__init__()
+        self.evicted: set[int] = set()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.evicted |= set(block_ids)
+
+
+def test_a_failed_load_and_what_its_step_computed_on_it_leave_vllms_prefix_cache(
+        side: SchedulerSide, store: TieredStore) -> None:
+    side.kv_cache_manager = EvictingManager()
+    first = Req("first", tokens(4))
+    side.on_new_request(first)
+    side.kv_cache_manager.blocks["first"] = [10, 11, 12, 13, 14]
+    finish(side, plan_step(side, {"first": 4 * BLOCK}, {"first": first}).step)
+    # A second request with the same 4 blocks and 2 more: loads 4, computes 2.
+    again = Req("again", tokens(6))
+    side.on_new_request(again)
+    assert side.get_num_new_matched_tokens(again, 0) == (4 * BLOCK, False)
+    blocks = [20, 21, 22, 23, 24, 25, 26]
+    side.kv_cache_manager.blocks["again"] = blocks
+    side.update_state_after_alloc(again, Blocks(blocks), 4 * BLOCK)
+    again.num_computed_tokens = 4 * BLOCK
+    plan = plan_step(side, {"again": 2 * BLOCK + 1}, {"again": again})
+    assert [c.block_id for c in plan.loads] == [20, 21, 22, 23]
+    # The request is aborted; then the step's report says block 22 failed
+    # its check. vLLM no longer looks at the request, so kvtier takes 22
+    # and every block computed after it in that step out of the prefix
+    # cache; 20 and 21 loaded fine and stay.
+    del side.kv_cache_manager.blocks["again"]
+    finish(side, plan.step, failed=[c.slot for c in plan.saves], invalid={22})
+    assert side.kv_cache_manager.evicted == {22, 23, 24, 25, 26}

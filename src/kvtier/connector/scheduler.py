@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# How many planned steps' loads are remembered for a failure report: one
+# comes a step or two after its plan (a few more with pipeline stages).
+AFTER_LOAD_STEPS = 16
+
 
 @dataclass
 class _ReqState:
@@ -92,6 +96,11 @@ class SchedulerSide:
         # that step. If the step's copies fail, those requests go back there,
         # so that the blocks vLLM recomputes are saved again.
         self._rewind: dict[int, dict[str, int]] = {}
+        # Per planned step: request -> its device blocks from the first one
+        # it loads on (the loaded ones and those the step computes after
+        # them), for :meth:`_evict_from_device_cache`.
+        self._loading: dict[str, int] = {}  # this step: request -> first block it loads
+        self._after_load: dict[int, dict[str, list[int]]] = {}
         self.kv_cache_manager = kv_cache_manager
         self._stats = KvtierStats()
         self._last_counters: dict[str, int] = {}
@@ -216,6 +225,7 @@ class SchedulerSide:
         st.load_keys = keys
         marks = self._rewind.setdefault(self._step, {})
         marks[request.request_id] = min(marks.get(request.request_id, first), first)
+        self._loading[request.request_id] = first
         slots = self.store.pin(keys, self._step)
         null = self._null_block_id()
         for i, (key, slot) in enumerate(zip(keys, slots)):
@@ -239,6 +249,7 @@ class SchedulerSide:
         last = first + num_external_tokens // self.block_tokens
         block_ids = blocks.get_block_ids()[0]
         self._loads_this_step.extend(BlockCopy(block_ids[i], -1, b"") for i in range(first, last))
+        self._loading[request.request_id] = first
 
     def failed_step_plan(self) -> StepPlan:
         """A plan for a step whose planning failed: every planned load fails, nothing is saved."""
@@ -246,6 +257,7 @@ class SchedulerSide:
                         loads=[BlockCopy(c.block_id, -1, c.key) for c in self._loads_this_step],
                         delayed=self._take_delayed())
         self.store.abandon_saves(self._step)  # slots taken before the failure: no one will write them
+        self._note_loading()
         # Requests planned before the failure moved their "saved up to" mark
         # past those abandoned saves: back to where this step started, so the
         # blocks are planned again in the next step.
@@ -290,6 +302,7 @@ class SchedulerSide:
             # later step: the mark stops there (blocks after it that did get
             # a slot are held by then, and skipped).
             st.saved_blocks = pairs[slots.placed][0] if slots.placed < len(pairs) else n_full
+        self._note_loading()
         # The arena of the placement as it is now, after this step's calls: a
         # reconnection to a restarted service during them may have changed it.
         plan.arena = self.store.arena_path
@@ -297,6 +310,49 @@ class SchedulerSide:
         self._loads_this_step = []
         self._step += 1
         return plan
+
+    def _note_loading(self) -> None:
+        """Record, for the step being planned, each loading request's device
+        blocks from its first loaded one on (the step computes the blocks
+        after the loaded ones on top of them)."""
+        loading, self._loading = self._loading, {}
+        marks: dict[str, list[int]] = {}
+        for req_id, first in loading.items():
+            try:
+                marks[req_id] = list(self.kv_cache_manager.get_blocks(req_id).get_block_ids()[0][first:])
+            except Exception:  # noqa: BLE001 - only the eviction after a failed load needs it
+                log.debug("kvtier: blocks of request %s not found", req_id)
+        if marks:
+            self._after_load[self._step] = marks
+        for old in [x for x in self._after_load if x < self._step - AFTER_LOAD_STEPS]:
+            del self._after_load[old]
+
+    def _evict_from_device_cache(self, invalid: set[int]) -> None:
+        """Take the blocks of a failed load out of vLLM's prefix cache, with
+        the blocks of the same request computed after them in that step.
+
+        With ``kv_load_failure_policy: recompute`` vLLM recomputes those
+        blocks in place for the requests still running when the failure is
+        reported, but leaves them in its prefix cache: a request aborted or
+        preempted in between (asynchronous scheduling) would leave bad KV
+        there for the next request with the same prefix to hit, and for
+        kvtier to save again. The requests holding the blocks keep them;
+        only their hashes go (a block reused since by another request only
+        loses its cache entry).
+        """
+        bad = set(invalid)
+        for marks in self._after_load.values():
+            for ids in marks.values():
+                hit = next((i for i, b in enumerate(ids) if b in invalid), None)
+                if hit is not None:
+                    bad.update(ids[hit:])
+        evict = getattr(self.kv_cache_manager, "evict_blocks", None)
+        if evict is None:
+            return
+        try:
+            evict(bad)
+        except Exception:  # noqa: BLE001 - the engine never fails because of the cache
+            log.exception("kvtier: evicting the blocks of a failed load from vLLM's prefix cache failed")
 
     def _take_delayed(self) -> dict[str, int]:
         delayed, self._delayed = self._delayed, {}
@@ -332,6 +388,7 @@ class SchedulerSide:
                 self.store.discard(report.corrupt_keys)
                 self._stats.add("corrupt_blocks", len(report.corrupt_keys))
         if invalid:
+            self._evict_from_device_cache(set(invalid))
             # A load failed: the workers dropped that step's saves; steps
             # planned since (asynchronous scheduling) may have computed on the
             # bad blocks too, so their saves never become readable either.
