@@ -369,3 +369,16 @@ def test_kv_tensors_kvtier_cannot_read_leave_the_engine_serving(worker_at_pp_ran
     conn.save_kv_layer("model.layers.0.attn", None, None)
     conn.wait_for_save()
     assert conn.get_finished(set()) == (None, None)
+
+
+def test_vllm_is_told_to_keep_python_between_layers_in_cuda_graphs() -> None:
+    # vLLM asks the connector class it resolves from the transfer config;
+    # True makes it replace full CUDA graphs with piecewise ones, so that
+    # wait_for_layer_load and save_kv_layer run at every layer.
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cfg = KVTransferConfig(kv_connector="KvtierConnector", kv_connector_module_path="kvtier.connector",
+                           kv_role="kv_both", kv_connector_extra_config={"backend": "embedded"})
+    cls = KVConnectorFactory.get_connector_class(cfg)
+    assert cls.requires_piecewise_for_cudagraph(cfg.kv_connector_extra_config) is True

@@ -658,6 +658,15 @@ class KvtierConnector(KVConnectorBase_V1):
             half.shutdown()
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes: on an accelerator the loads run on a stream of kvtier's and
+        vLLM's stream waits for each layer's in ``wait_for_layer_load``
+        (and saves start in ``save_kv_layer``), Python calls between the
+        layers that a full CUDA graph's replay skips; the forward would then
+        read blocks still being copied. vLLM switches to piecewise graphs."""
+        return True
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
         return KvtierStats(data=dict(data or {}))
 
