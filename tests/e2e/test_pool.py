@@ -177,7 +177,7 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
     assert re.search(r"[1-9]\d* blocks adopted from the old arena", log)
     arena = re.search(r"DRAM pool (\S+),", log).group(1)
     before = b.metrics()
-    again = [complete(b, prompts[i])["text"] for i in (0, 2)]
+    again = [complete(b, prompts[i], max_tokens=48)["text"] for i in (0, 2)]
     after = b.metrics()
     hit = delta(after, before, EXT_HITS)
     assert hit > 0 and delta(after, before, HOST) + delta(after, before, DISK) == hit
@@ -194,7 +194,7 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
     log = node.meta.log_text()[mark:]
     assert "adopted" not in log and re.search(r"SSD tier on .*, [1-9]\d* blocks recovered", log)
     before = b.metrics()
-    again4 = complete(b, prompts[4])["text"]
+    again4 = complete(b, prompts[4], max_tokens=48)["text"]
     after = b.metrics()
     hit = delta(after, before, EXT_HITS)
     assert hit == 12 * BLOCK
