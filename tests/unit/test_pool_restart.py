@@ -7,6 +7,8 @@ its worker (sealing slots in the arena).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -124,4 +126,37 @@ def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(t
         for placement in (c, d):
             if placement is not None:
                 placement.shutdown()
+        meta.stop()
+
+
+def test_a_stopped_service_holds_up_the_engine_once_then_lookups_miss_at_once(tmp_path: Path) -> None:
+    # SIGSTOP: the kernel still accepts connections for the frozen process
+    # and nothing answers (a service stuck in I/O looks the same).
+    conf = configs(tmp_path)
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    c = None
+    try:
+        c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i", timeout_s=0.5)
+        ks = keys(6, 2)
+        seal(c.arena_path, list(c.prepare_save(ks, step=1)), ks)
+        c.complete_step(1)
+        assert c.probe(ks).ready == 2
+        os.kill(meta.proc.pid, signal.SIGSTOP)
+        try:
+            assert c.probe(ks).total == 0  # waits out timeout_s once: the only stall
+            deadline = time.monotonic() + 30
+            misses = 0
+            while c.attempts < 3 and time.monotonic() < deadline:  # the client's thread retries meanwhile
+                assert c.probe(ks).total == 0 and c.pin(ks, step=2) == [None, None]
+                misses += 1
+                time.sleep(0.01)
+            assert c.attempts >= 3 and misses > 0
+            assert c.stalls == 1 and not c.connected
+        finally:
+            os.kill(meta.proc.pid, signal.SIGCONT)
+        wait_connected(c)
+        assert c.probe(ks).ready == 2  # the same service, its blocks still there
+    finally:
+        if c is not None:
+            c.shutdown()
         meta.stop()

@@ -10,14 +10,20 @@ The meta service going away never takes the engine with it: a call that
 fails (connection refused or reset, a reply later than ``timeout_s``, a
 reply that breaks the protocol) marks the pool down and answers "miss"
 (nothing found, nothing pinned, saves dropped), and so does every call
-until the next reconnection attempt, made with a backoff of 0.1 s doubling
-to 5 s. A reconnection opens a new session: pins and slots of the old one
+while it is down, at once: the engine's calls never connect. A thread of
+the client's reconnects, with a backoff of 0.1 s doubling to 5 s, and
+hands the engine a connection only once the service has answered both
+the handshake and a lookup on it (a service whose store hangs is not
+taken); the backoff starts over only once a call of the engine's is
+answered, so a service that answers those but hangs on other calls costs
+the engine one ``timeout_s`` per attempt, spaced out to 5 s. An engine call that finds the connection busy for longer than
+``LOCK_WAIT_S`` (another call waiting on a hung service) answers "miss"
+too. A reconnection opens a new session: pins and slots of the old one
 are gone with it (the service released them), and a load planned on one
 of them fails its worker's key and checksum check and is recomputed.
 
-While connected and idle, a thread pings the service every third of the
-lease's time so that the session's leases hold; while the service is
-down, the same thread tries to reconnect on the backoff's schedule.
+While connected and idle, the same thread pings the service every third
+of the lease's time so that the session's leases hold.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 COUNTERS_EVERY_S = 0.25
 UNANSWERED_MAX = 64  # calls sent without waiting whose replies are unread; past this a call waits
+LOCK_WAIT_S = 0.05  # an engine call waits this long at most for the connection (a ping holds it ~0.1 ms)
 
 
 class PoolUnavailable(Exception):
@@ -81,17 +88,25 @@ class PoolPlacement:
         self._page: StatsPage | None = None  # the service's counters page, mapped
         self._bad_page = ""  # a page that could not be mapped (not tried again)
         self._closed = threading.Event()
+        self._wake = threading.Event()  # the client's thread: the connection dropped, or shutdown
+        self._refused = ""  # the last refusal of a reconnection, logged once
         self.reconnects = 0
         self.failures = 0  # calls answered "miss" because the pool was down
+        self.stalls = 0  # waits of ``timeout_s`` for the service on a thread not the client's (the engine's)
+        self.attempts = 0  # reconnections tried by the client's thread
         if connect:
+            sock, welcome = self._open()  # the first connection's refusal is a start-up error
             with self._lock:
-                self._connect_locked()  # the first connection's refusal is a start-up error
+                self._install_locked(sock, welcome)
         self._pinger = threading.Thread(target=self._ping_loop, name="kvtier-pool-ping", daemon=True)
         self._pinger.start()
 
     # --- connection -------------------------------------------------------
 
-    def _connect_locked(self) -> None:
+    def _open(self) -> tuple[socket.socket, wire.Welcome]:
+        """A new connection, handshake done and an empty lookup answered (a
+        service that takes a Hello but whose store does not answer is not
+        taken). Holds no lock: the engine's calls never wait on it."""
         scheme, host, port = self._where
         if scheme == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -110,19 +125,54 @@ class PoolPlacement:
             if body is None:
                 raise PoolUnavailable("the meta service closed the connection during the handshake")
             msg = wire.decode_server(body)
-        except BaseException:
+            if isinstance(msg, wire.Error):
+                raise PoolRefused(msg.code, msg.message)
+            if not isinstance(msg, wire.Welcome):
+                raise wire.WireError(f"expected Welcome, got {type(msg).__name__}")
+            # A lookup of no keys: it goes through the store's lock, as
+            # every real call does (a ping would not).
+            sock.sendall(wire.encode(wire.Probe(0, b"")))
+            body = wire.recv_frame(sock)
+            if body is None:
+                raise PoolUnavailable("the meta service closed the connection after the handshake")
+            if not isinstance(wire.decode_server(body), wire.ProbeReply):
+                raise wire.WireError("the meta service did not answer a lookup")
+        except BaseException as err:
             sock.close()
+            if isinstance(err, TimeoutError) and threading.current_thread() is not getattr(self, "_pinger", None):
+                self.stalls += 1
             raise
-        if isinstance(msg, wire.Error):
-            sock.close()
-            raise PoolRefused(msg.code, msg.message)
-        if not isinstance(msg, wire.Welcome):
-            sock.close()
-            raise wire.WireError(f"expected Welcome, got {type(msg).__name__}")
+        return sock, msg
+
+    def _install_locked(self, sock: socket.socket, welcome: wire.Welcome) -> None:
         self._sock = sock
-        self._welcome = msg
-        self._backoff = BACKOFF_FIRST_S
+        self._welcome = welcome
+        self._next_id = 1
         self._last_call = time.monotonic()
+
+    def _reconnect(self) -> None:
+        """On the client's thread: a new connection for the engine's calls."""
+        self.attempts += 1
+        try:
+            sock, welcome = self._open()
+        except (OSError, wire.WireError, PoolUnavailable, PoolRefused) as err:
+            with self._lock:
+                self._retry_at = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+            if isinstance(err, PoolRefused) and str(err) != self._refused:
+                self._refused = str(err)  # said once per reason: the service is up and says no
+                log.warning("kvtier: the meta service at %s refused this instance: %s", self.url, err)
+            else:
+                log.debug("kvtier: meta service at %s still unreachable: %s", self.url, err)
+            return
+        self._refused = ""
+        with self._lock:
+            if self._closed.is_set() or self._sock is not None:
+                sock.close()
+                return
+            self._install_locked(sock, welcome)
+            self.reconnects += 1
+        log.info("kvtier: reconnected to the meta service at %s (session %d)", self.url, welcome.session)
 
     def _drop_locked(self, why: object) -> None:
         self._unanswered.clear()  # their session ends with the connection: the service settles them
@@ -133,8 +183,10 @@ class PoolPlacement:
             self._sock = None
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+        self._wake.set()  # the client's thread sleeps a lease's third while connected
 
-    def _call(self, msg: msgspec.Struct, wait: bool = True) -> wire.Reply | None:
+    def _call(self, msg: msgspec.Struct, wait: bool = True, lock_wait: float | None = LOCK_WAIT_S
+              ) -> wire.Reply | None:
         """The reply, or None when the pool is down (the caller answers "miss").
 
         ``wait=False``: send and return None at once; the reply is read (and
@@ -142,28 +194,15 @@ class PoolPlacement:
         the service answers a session's requests in order. For calls whose
         answer nobody needs (CompleteStep runs on the path of each step's
         tokens; waiting for its "ok" cost a round trip per step)."""
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if lock_wait is None else lock_wait):
+            self.failures += 1  # another call is waiting on a service that does not answer
+            return None
+        try:
             if self._closed.is_set():
                 return None
-            if self._sock is None:
-                if time.monotonic() < self._retry_at:
-                    self.failures += 1
-                    return None
-                try:
-                    self._connect_locked()
-                    self.reconnects += 1
-                    log.info("kvtier: reconnected to the meta service at %s (session %d)", self.url,
-                             self._welcome.session if self._welcome else -1)
-                except PoolRefused as err:
-                    self._drop_locked(err)
-                    self.failures += 1
-                    return None
-                except (OSError, wire.WireError, PoolUnavailable) as err:
-                    self._retry_at = time.monotonic() + self._backoff
-                    self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
-                    log.debug("kvtier: meta service at %s still unreachable: %s", self.url, err)
-                    self.failures += 1
-                    return None
+            if self._sock is None:  # down: the client's thread reconnects
+                self.failures += 1
+                return None
             mid = self._next_id
             self._next_id += 1
             msg.id = mid  # type: ignore[attr-defined]
@@ -189,6 +228,8 @@ class PoolPlacement:
                         raise wire.WireError("a reply out of order")
                     break
             except (OSError, wire.WireError, PoolUnavailable) as err:
+                if isinstance(err, TimeoutError):
+                    self.stalls += 1
                 self._drop_locked(err)
                 self.failures += 1
                 return None
@@ -198,22 +239,29 @@ class PoolPlacement:
                 if reply.code == "bad-request":
                     self._drop_locked(reply.message)
                 return None
+            if not isinstance(msg, wire.Ping):
+                self._backoff = BACKOFF_FIRST_S  # the service does real work again
             return reply
+        finally:
+            self._lock.release()
 
     def _ping_loop(self) -> None:
         while True:
             welcome = self._welcome
             period = (welcome.lease_ttl_ms / 3000) if welcome else 1.0
-            if self._closed.wait(max(0.05, period)):
+            wait = period if self._sock is not None else self._retry_at - time.monotonic()
+            self._wake.wait(max(0.05, wait))
+            self._wake.clear()
+            if self._closed.is_set():
                 return
-            now = time.monotonic()
-            if (self._sock is None and now >= self._retry_at) or \
-                    (self._sock is not None and now - self._last_call >= period):
-                # Idle: keep the leases; down: reconnect without waiting for a request.
-                try:
-                    self._call(wire.Ping(0))
-                except Exception:  # noqa: BLE001 - the pinger must outlive any one failure
-                    log.exception("kvtier: pinging the meta service failed")
+            try:
+                if self._sock is None:
+                    if time.monotonic() >= self._retry_at:
+                        self._reconnect()  # down: reconnect without waiting for a request
+                elif time.monotonic() - self._last_call >= period:
+                    self._call(wire.Ping(0), lock_wait=None)  # idle: keep the leases
+            except Exception:  # noqa: BLE001 - the pinger must outlive any one failure
+                log.exception("kvtier: pinging the meta service failed")
 
     @property
     def connected(self) -> bool:
@@ -330,6 +378,7 @@ class PoolPlacement:
     def shutdown(self) -> None:
         """Close the session; the service releases whatever it still holds of it."""
         self._closed.set()
+        self._wake.set()
         if self._page is not None:
             self._page.close()
             self._page = None
