@@ -167,6 +167,31 @@ def test_multimodal_and_embedding_requests_are_neither_looked_up_nor_saved(side:
     assert side.get_num_new_matched_tokens(emb, 0) == (0, False)
 
 
+def test_a_session_that_gains_an_image_is_no_longer_saved_or_looked_up(side: SchedulerSide) -> None:
+    # A streaming-input session: vLLM adds the next part, with an image, to
+    # the same request object after its first text-only part was seen.
+    tokens = list(range(3 * BLOCK + 1))
+    text_keys = side._keys(side._state(RichRequest("other", tokens)), 3 * BLOCK)
+    side.store.prepare_save(text_keys, step=0)
+    side.store.complete_step(0)
+    session = RichRequest("s", tokens)
+    assert side.get_num_new_matched_tokens(session, 0) == (3 * BLOCK, False)
+    session.mm_features = ["image"]
+    session.all_token_ids = tokens + list(range(BLOCK))
+
+    class Manager:
+        def get_blocks(self, req_id: str) -> FakeBlocks:
+            return FakeBlocks(list(range(10, 16)))
+
+    class Output:
+        num_scheduled_tokens = {"s": 2 * BLOCK}
+
+    side.kv_cache_manager = Manager()
+    session.num_computed_tokens = 3 * BLOCK
+    assert side.build_connector_meta(Output()).saves == []
+    assert side.get_num_new_matched_tokens(session, 0) == (0, False)
+
+
 def test_a_step_with_failed_copies_rewinds_its_requests_so_recomputed_blocks_are_saved(side: SchedulerSide) -> None:
     from kvtier.connector.meta import StepReport
 

@@ -291,3 +291,20 @@ def test_a_failed_load_and_what_its_step_computed_on_it_leave_vllms_prefix_cache
     del side.kv_cache_manager.blocks["again"]
     finish(side, plan.step, failed=[c.slot for c in plan.saves], invalid={22})
     assert side.kv_cache_manager.evicted == {22, 23, 24, 25, 26}
+
+
+def test_a_failure_reported_without_a_step_report_dooms_every_unsettled_step(
+        side: SchedulerSide, store: TieredStore) -> None:
+    # Workers hold a step's report back until its saves are done (device
+    # copies); with pipeline stages several steps are in flight, so a load
+    # error that comes without a report may be from any unsettled step.
+    reqs = {f"r{i}": Req(f"r{i}", tokens(2, base=1000 * i)) for i in range(3)}
+    for i, (rid, r) in enumerate(reqs.items()):
+        side.on_new_request(r)
+        side.kv_cache_manager.blocks[rid] = [10 * i + 1, 10 * i + 2, 10 * i + 3]
+    keys = {rid: side._keys(side._state(r), 2 * BLOCK) for rid, r in reqs.items()}
+    plans = [plan_step(side, {rid: 2 * BLOCK}, reqs) for rid in reqs]
+    side.update_connector_output(StepOutput(None, {99}))
+    for p in plans:
+        finish(side, p.step)
+    assert [store.probe(k) for k in keys.values()] == [Probe(0, 0)] * 3

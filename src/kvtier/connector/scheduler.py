@@ -108,14 +108,25 @@ class SchedulerSide:
 
     # --- keys -------------------------------------------------------------
 
+    @staticmethod
+    def _now_uncacheable(st: _ReqState) -> bool:
+        """Whether the request's tokens no longer name its KV: multimodal or
+        embedding inputs, looked at again each time, since a streaming-input
+        session can gain images after its first part (vLLM adds them to the
+        same request). Once true it stays true."""
+        if not st.uncacheable:
+            request = st.request
+            st.uncacheable = bool(getattr(request, "mm_features", None)) or \
+                getattr(request, "prompt_embeds", None) is not None
+        return st.uncacheable
+
     def _state(self, request: Request) -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
             st = _ReqState(request, seed=self._seed)
             lora = getattr(request, "lora_request", None)
             salt = getattr(request, "cache_salt", None)
-            st.uncacheable = bool(getattr(request, "mm_features", None)) or \
-                getattr(request, "prompt_embeds", None) is not None
+            self._now_uncacheable(st)
             adapter = ""
             if lora is not None:
                 # An adapter is named by what it is, not by lora_name or
@@ -166,7 +177,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        if st.uncacheable:
+        if self._now_uncacheable(st):
             return 0, False
         # At least one token must be computed to produce logits.
         limit = request.num_tokens - 1
@@ -278,7 +289,7 @@ class SchedulerSide:
         self._idle_pass = not sched
         for req_id, n_sched in sched.items():
             st = self._reqs.get(req_id)
-            if st is None or st.uncacheable:
+            if st is None or self._now_uncacheable(st):
                 continue
             req = st.request
             done_tokens = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))
@@ -394,7 +405,10 @@ class SchedulerSide:
             # bad blocks too, so their saves never become readable either.
             # Their requests go back to where those steps started, so that
             # the blocks are saved again once (re)computed.
-            last = max(report.done) if isinstance(report, StepReport) and report.done else self._step - 2
+            # Without a report (held back until earlier saves finish), the
+            # failed step is any not yet settled: with pipeline stages
+            # several steps are in flight, so every unsettled one is doomed.
+            last = max(report.done) if isinstance(report, StepReport) and report.done else self._settled_step
             for step, marks in self._rewind.items():
                 if step > last:
                     for req_id, first in marks.items():
