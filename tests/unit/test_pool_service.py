@@ -362,3 +362,17 @@ def test_complete_step_does_not_wait_and_its_answer_is_read_by_the_next_call(ser
     c.complete_step(3)
     assert c.flush() and not c._unanswered
     c.shutdown()
+
+
+def test_a_hello_that_arrives_while_the_service_stops_makes_no_pool(tmp_path: Path) -> None:
+    svc = start(tmp_path)
+    s = _raw(svc)  # accepted before the stop; its Hello comes after
+    try:
+        time.sleep(0.2)  # the service's thread for it is waiting for the Hello
+        svc.stop()
+        s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "late", 1, 1, RANK_BYTES)))
+        reply = _answer(s)
+        assert isinstance(reply, wire.Error) and reply.code == "stopping"
+        assert svc.store is None and list((tmp_path / "shm").iterdir()) == []  # no arena left behind
+    finally:
+        s.close()

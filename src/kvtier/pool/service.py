@@ -245,6 +245,8 @@ class MetaService:
 
     def _pool_for(self, ranks: int, rank_bytes: int) -> TieredStore:
         with self._lock:
+            if self._stop.is_set():  # stop() may have closed the store already: none is made after it
+                raise _Refused("stopping", "the meta service is stopping")
             if self.store is None:
                 arena = self._arena_stem + secrets.token_hex(4)
                 fingerprint = xxhash.xxh3_128_digest(f"kvtier-pool-v1;ranks={ranks};rank_bytes={rank_bytes}".encode())
