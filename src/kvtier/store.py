@@ -116,6 +116,7 @@ class _Entry:
     evict_after: bool = False  # free the DRAM copy once the SSD copy is durable
     doomed: bool = False  # found bad: unreadable now, dropped as soon as nothing uses it
     in_cluster: bool = False  # published to (or fetched from) the cluster tier
+    publish_failed: bool = False  # a put of it failed: evicted as a plain block, not published again on the way out
     from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
 
 
@@ -853,7 +854,7 @@ class TieredStore:
             e = self._entries[key]
             if e.pins or e.state is not EntryState.READY or e.evict_after:
                 continue
-            if publish_room and not (e.in_cluster or e.doomed or e.demoting):
+            if publish_room and not (e.in_cluster or e.doomed or e.demoting or e.publish_failed):
                 # Published on its way out: pinned until the put ends, then an
                 # ordinary victim of a later eviction (by then in the cluster).
                 publish_room -= 1
@@ -1108,6 +1109,10 @@ class TieredStore:
                 self.tier.publish(e.slot, False)
                 self._sync_dirty(key, e)
         else:
+            # Not published again on its way out: with puts failing (cluster
+            # full or refusing), the same victims were pinned for a put at
+            # every eviction and DRAM freed nothing.
+            e.publish_failed = True
             self._c.cluster_publish_failures += 1
         self._unpin([key])
 

@@ -507,6 +507,29 @@ def test_publish_on_evict_sends_blocks_as_they_leave_dram(make_tier, cluster_cfg
         store.close()
 
 
+def test_blocks_whose_put_failed_are_evicted_not_published_again(make_tier, cluster_cfg: ClusterConfig,
+                                                                  master: MasterSupervisor) -> None:
+    """kvtier.cluster.publish = evict with a cluster that is up but takes no
+    block (no node lends it memory): each victim is tried once, then
+    evicted as a plain block; DRAM keeps making room for saves."""
+    cfg = replace(cluster_cfg, segment_bytes=0)
+    tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)  # 8 slots: high mark 7, low 4
+    store = TieredStore(tier, 90, 50, cluster=MooncakeTier(cfg, tier), publish_on_evict=True)
+    try:
+        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
+        placed = []
+        for step in range(8):
+            slots = save_blocks(store, [block_key(40 + step, i) for i in range(3)], step, seed=40, start=step * 10)
+            placed.append(sum(x is not None for x in slots))
+            store.wait_idle(30)
+        c = store.counters()
+        assert c["cluster_published"] == 0 and c["cluster_publish_failures"] > 0
+        assert c["evictions"] > 0
+        assert placed[-3:] == [3, 3, 3]  # every save found its slots
+    finally:
+        store.close()
+
+
 def test_blocks_leaving_dram_unpublished_are_counted(make_tier) -> None:
     """kvtier.cluster.publish = evict with the cluster unreachable: no block
     can be published on its way out, and each one that leaves DRAM is
