@@ -399,6 +399,9 @@ class TieredStore:
         is not on SSD."""
         if self.ssd is None and self._cluster is None:
             return 0
+        # A key given twice would get two PROMOTING entries, the first one's
+        # slot lost (the scheduler's keys are distinct; a pool client's need not be).
+        keys = list(dict.fromkeys(keys))
         jobs: list[PromoteJob] = []
         fetches: list[tuple[bytes, int]] = []
         moving = 0
@@ -1010,8 +1013,9 @@ class TieredStore:
         elif rec is not None:
             self._ssd_entries.publish(ssd_slot, rec.checksum, rec.seq)
         else:
-            # Freed dirty: a header may have reached the disk.
-            self._ssd_entries.remove_slot(ssd_slot)
+            # Freed dirty: a header may have reached the disk. Taken last
+            # from now on: the write may have failed on this slot's sectors.
+            self._ssd_entries.remove_slot(ssd_slot, last=True)
         if bad:
             self._c.corrupt_dram += 1
             e.doomed = True

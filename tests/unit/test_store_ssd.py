@@ -73,6 +73,9 @@ class DiskIo(IoOps):
         self.fail_writes = False
         self.write_errno = errno.EIO
         self.fail_reads = False
+        self.bad_sector = False  # the first data write's place fails, that time and every time after
+        self.bad: tuple[int, int] | None = None
+        self.bad_writes = 0
         self.violations: list[tuple[int, int]] = []
         self.data_writes = 0
         self.written: set[tuple[int, int]] = set()  # (fd, data offset) ever written
@@ -101,6 +104,12 @@ class DiskIo(IoOps):
                     if new[:8] == HDR_MAGIC and new != before[at : at + HEADER]:
                         self.header_keys.append(new[16:32])  # magic, epoch, key
         elif offset >= self.data_start:
+            if self.bad_sector:
+                with self._lock:
+                    self.bad = self.bad or (fd, offset)
+                    if self.bad == (fd, offset):
+                        self.bad_writes += 1
+                        raise OSError(errno.EIO, os.strerror(errno.EIO))
             slot = (offset - self.data_start) // self.slot_bytes
             page = mmap.mmap(-1, PAGE)
             os.preadv(fd, [page], PAGE + slot // HEADERS_PER_PAGE * PAGE)
@@ -270,6 +279,18 @@ def test_promote_counts_and_skips(make_store) -> None:
     assert store.probe([KEYS[2]]) == Probe(0, 1)
 
 
+def test_a_key_given_twice_is_promoted_once_and_no_slot_is_lost(make_store) -> None:
+    store = make_store()
+    save_each(store, KEYS[:9])  # K0..K3 on SSD only
+    used = store.used_slots
+    assert store.promote([KEYS[0], KEYS[0]]) == 1
+    assert store.wait_idle()
+    assert store.probe([KEYS[0]]) == Probe(1, 1)
+    # One more DRAM slot is used, holding K0 (demotions to make room aside).
+    assert store.used_slots == len(in_dram(store, KEYS[:9])) and store.used_slots <= used + 1
+    assert dram_bytes(store, KEYS[0]) == block(KEYS[0])
+
+
 def test_key_saved_again_is_not_counted_while_pending(make_store) -> None:
     # A worker is writing the key into DRAM although it is on SSD: it can be
     # neither read nor promoted until the step completes, so probe stops there.
@@ -384,6 +405,20 @@ def test_ssd_write_error_drops_the_blocks(make_store, disk: DiskIo, err: int) ->
     store.promote(KEYS[4:8])
     assert store.wait_idle()
     assert [dram_bytes(store, k) for k in KEYS[4:8]] == [block(k) for k in KEYS[4:8]]
+
+
+def test_a_slot_whose_write_failed_is_taken_last_so_one_bad_sector_does_not_stop_writes(
+        make_store, disk: DiskIo) -> None:
+    store = make_store()
+    disk.bad_sector = True
+    for i in range(0, 60, 4):  # 60 blocks through 8 DRAM slots: ~50 demotions wanted
+        save_each(store, [K(100 + j) for j in range(i, i + 4)], first_step=i)
+        assert store.wait_idle()
+    c = store.counters()
+    # The slot is tried again only once every other free slot has been
+    # (32 slots, ~50 demotions: twice at most).
+    assert disk.bad_writes <= 2
+    assert c["ssd_write_give_ups"] == 0 and c["blocks_demoted"] >= 40
 
 
 # --- DRAM watermark and demotion queue -------------------------------------------------------

@@ -442,11 +442,19 @@ class SsdIndex:
         self._free_slot(slot, dirty, free)
         return slot
 
-    def remove_slot(self, slot: int, dirty: bool = True, free: bool = True) -> None:
-        """:meth:`remove` of whatever key ``slot`` holds (WRITING or READY)."""
+    def remove_slot(self, slot: int, dirty: bool = True, free: bool = True, last: bool = False) -> None:
+        """:meth:`remove` of whatever key ``slot`` holds (WRITING or READY).
+        ``last``: the slot goes to the bottom of the free stack, taken after
+        every other free slot (its write failed: a bad sector taken again by
+        every next batch would fail them all and stop SSD writes)."""
         assert self._st[slot] >= _WRITING, f"slot {slot} holds no key"
-        got = self.remove(self.key(slot), dirty, free)
+        got = self.remove(self.key(slot), dirty, free=free and not last)
         assert got == slot
+        if free and last:
+            top = self._free_top
+            self._free[1 : top + 1] = self._free[0:top].copy()
+            self._free[0] = slot
+            self._free_top = top + 1
 
     def release(self, slots: Iterable[int] | np.ndarray, dirty: bool) -> None:
         """Return slots that hold no key (taken and not used, or emptied by an
