@@ -98,6 +98,9 @@ from kvtier.tier.ssd_index import SsdIndex, eviction_batch
 log = logging.getLogger(__name__)
 
 
+CLEAR_WAIT_S = 10.0  # how long clear() waits for the SSD headers it empties to be on disk
+
+
 class EntryState(enum.Enum):
     PENDING = "pending"  # a worker is writing the DRAM slot
     PROMOTING = "promoting"  # an I/O thread is reading the block from SSD into the DRAM slot
@@ -754,8 +757,10 @@ class TieredStore:
         completes, a PROMOTING one when its read ends (with its SSD copy), a
         demoting one when its write ends, and that SSD copy is never
         published. Dropped SSD blocks get empty headers on disk (on an I/O
-        thread), so a restart does not bring them back; their slots are
-        reused only after that.
+        thread), and so do free SSD slots whose headers still name a block
+        freed earlier, so a restart does not bring any of them back; their
+        slots are reused only after that, and the call returns once it is
+        done (at most ``CLEAR_WAIT_S``).
         """
         with self._lock:
             n = 0
@@ -775,8 +780,16 @@ class TieredStore:
             # Forgotten now, but the slots are free only once their headers are empty on disk.
             self._ssd_entries.remove_many(ssd_slots, free=False)
             self._ssd_copies_dropped(ssd_slots)
-            if ssd_slots.size:
-                self._mover.invalidate(ssd_slots)
+            # Slots freed before (evicted, replaced, failed writes) whose
+            # headers still name their old blocks: emptied too, or a restart
+            # would bring those blocks back.
+            dirty = self._ssd_entries.take_dirty() if self.ssd is not None else np.zeros(0, dtype=np.int32)
+            if ssd_slots.size or dirty.size:
+                self._mover.invalidate(np.concatenate([ssd_slots.astype(np.int32), dirty]))
+        if ssd_slots.size or dirty.size:
+            # On disk before the reset returns: a stop right after it must
+            # not find the old blocks (bounded: a reset is rare).
+            self._mover.wait_idle(CLEAR_WAIT_S)
         return n + int(ssd_slots.size)
 
     # --- DRAM room --------------------------------------------------------

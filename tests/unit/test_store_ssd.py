@@ -593,6 +593,19 @@ def test_restart_recovers_demoted_blocks(make_store, open_ssd, dram: DramTier) -
     assert [dram_bytes(store, k) for k in KEYS[:4]] == [block(k) for k in KEYS[:4]]
 
 
+def test_after_a_reset_a_restart_recovers_no_block_from_before_it(make_store, open_ssd) -> None:
+    # The SSD eviction frees slots whose headers still name their blocks
+    # (emptied only when a slot is reused); a reset empties those too.
+    store = make_store(ssd_high_pct=50, ssd_low_pct=25)  # SSD high 16, low 8 of 32
+    save_each(store, KEYS[:25])
+    assert store.counters()["ssd_evictions"] > 0
+    store.clear()  # returns once the headers are empty on disk
+    store.close()
+    store.ssd.close()
+    _, recovered = open_ssd()
+    assert [rec.key for _, rec in recovered] == []
+
+
 def test_recovered_duplicates_keep_the_newest(make_store, open_ssd) -> None:
     ssd, _ = open_ssd()
     locs = ssd.locations()

@@ -473,6 +473,22 @@ class SsdIndex:
             self._fr[self._free_top] = slot
             self._free_top += 1
 
+    def take_dirty(self) -> np.ndarray:
+        """Take every DIRTY slot off the free stack (freed, its header still
+        on disk naming its old block), for the caller to empty those headers
+        and :meth:`release` the slots: a reset must not leave old blocks that
+        a restart would recover."""
+        top = self._free_top
+        stack = self._free[:top]
+        dirty = self._state[stack] == _DIRTY
+        if not dirty.any():
+            return np.zeros(0, dtype=np.int32)
+        taken = stack[dirty].astype(np.int32)
+        keep = stack[~dirty].copy()
+        self._free[: keep.size] = keep
+        self._free_top = int(keep.size)
+        return taken
+
     def _push(self, arr: np.ndarray) -> None:
         top = self._free_top
         self._free[top : top + arr.size] = arr
