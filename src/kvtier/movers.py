@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -390,6 +391,7 @@ class ClusterMover(_Jobs):
         self._idle = threading.Condition(lock)
         self._io = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="kvtier-cluster")
         self._ask = ThreadPoolExecutor(1, thread_name_prefix="kvtier-cluster-lookup")
+        self._asking: tuple[Future, float] | None = None  # the last lookup sent, and when
         self._health = threading.Thread(target=self._health_loop, name="kvtier-cluster-health", daemon=True)
         self._health.start()
 
@@ -455,8 +457,16 @@ class ClusterMover(_Jobs):
         Called by the store outside its lock; waits at most ``timeout_s``."""
         if not keys or not self._up:
             return 0
+        stuck = self._asking
+        if stuck is not None and not stuck[0].done() and time.monotonic() - stuck[1] >= self.timeout_s:
+            # A lookup has waited a whole timeout on the cluster and still
+            # runs: a new one would queue behind it and wait its own timeout
+            # (the health check, a cached ping, says "up" again at once).
+            return 0
         try:
-            found = self._ask.submit(self.remote.exists, list(keys)).result(self.timeout_s)
+            future = self._ask.submit(self.remote.exists, list(keys))
+            self._asking = (future, time.monotonic())
+            found = future.result(self.timeout_s)
         except FutureTimeout:
             self._down(f"a lookup took over {self.timeout_s} s")
             return 0

@@ -1,0 +1,65 @@
+"""Cluster lookups against a master that answers its health check but is
+slow to answer lookups: one lookup waits its timeout, the next ones answer
+"not in the cluster" at once instead of queueing behind it.
+
+The remote stands in for the network peer (Mooncake's client), the only
+part faked: its lookup blocks until the test lets it go.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from kvtier.store import TieredStore
+from kvtier.tools.server import poll_until
+
+
+class SlowMaster:
+    connected = True
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def connect(self) -> None:
+        pass
+
+    def healthy(self) -> bool:
+        return True  # Mooncake's health check reads a cached ping
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        self.calls += 1
+        self.release.wait(60)
+        return [False] * len(keys)
+
+    def fetch(self, keys, slots):  # noqa: ANN001, ANN201
+        return []
+
+    def publish(self, keys, slots):  # noqa: ANN001, ANN201
+        return [False] * len(keys)
+
+    def close(self) -> None:
+        self.release.set()
+
+
+def test_lookups_do_not_queue_behind_one_stuck_on_the_cluster(make_tier) -> None:
+    tier = make_tier(4096 * 4 + 16 * (4096 + 128), 4096)
+    remote = SlowMaster()
+    store = TieredStore(tier, 99, 90, cluster=remote, cluster_timeout_s=0.2)
+    try:
+        assert poll_until(lambda: store.cluster.up, 10)
+        for _ in range(10):
+            # The health check says "up" again right after each timeout.
+            assert poll_until(lambda: store.cluster.up, 10)
+            assert store.probe([os.urandom(16)]).total == 0
+        assert remote.calls == 1 and store.counters()["cluster_down"] >= 1
+        # The master answers again: the next lookup is the second one it
+        # gets; the nine made while the first was stuck were never sent (they
+        # would have queued behind it, each waiting its own timeout).
+        remote.release.set()
+        assert poll_until(lambda: store.probe([os.urandom(16)]) is not None and remote.calls >= 2, 10)
+        assert remote.calls == 2
+    finally:
+        remote.release.set()
+        store.close()
