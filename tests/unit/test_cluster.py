@@ -507,6 +507,7 @@ def test_publish_on_evict_sends_blocks_as_they_leave_dram(make_tier, cluster_cfg
         store.close()
 
 
+@own_master  # the module's master has segments other tests' nodes lend it
 def test_blocks_whose_put_failed_are_evicted_not_published_again(make_tier, cluster_cfg: ClusterConfig,
                                                                   master: MasterSupervisor) -> None:
     """kvtier.cluster.publish = evict with a cluster that is up but takes no
