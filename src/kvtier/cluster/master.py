@@ -233,7 +233,8 @@ class MasterSupervisor:
                     return
                 try:
                     self._spawn()
-                except OSError as err:
+                except Exception as err:  # noqa: BLE001 - e.g. the program gone (ConfigError), a failed fork
+                    # Logged and tried again: the thread ending would leave the node without a master.
                     log.error("kvtier cluster: cannot restart the Mooncake master: %s", err)
                     backoff = min(backoff * 2, RESTART_MAX_S)
                     continue
