@@ -471,6 +471,20 @@ def _fake_loop(sys_block: Path, name: str, backing: str | None) -> None:
         (sys_block / name / "loop" / "backing_file").write_text(backing + "\n")
 
 
+def test_a_hard_link_to_a_loop_devices_backing_file_is_refused(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    backing = tmp_path / "fs.img"
+    backing.write_bytes(b"\0" * (1 << 20))
+    alias = tmp_path / "alias.img"
+    os.link(backing, alias)  # the same file under another name
+    sys_block = tmp_path / "sys-block"
+    _fake_loop(sys_block, "loop2", str(backing))
+    monkeypatch.setattr(ssd_module, "SYS_BLOCK", str(sys_block))
+    assert ssd_module.loop_devices_backed_by(str(alias)) == ["/dev/loop2"]
+    with pytest.raises(ConfigError, match="backs loop device /dev/loop2"):
+        SsdTier.open([str(alias)], None, SLOT, io=NoOpenIo())
+
+
 def test_a_file_backing_a_loop_device_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # /sys/block as the kernel shows it: loop0 detached, loop3 on our file,
     # loop5 on a file that had this path before it was deleted.

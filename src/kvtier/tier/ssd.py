@@ -183,8 +183,14 @@ SYS_BLOCK = "/sys/block"
 
 
 def loop_devices_backed_by(path: str) -> list[str]:
-    """Loop devices (``/dev/loopN``) whose backing file is ``path``."""
+    """Loop devices (``/dev/loopN``) whose backing file is ``path``: by
+    name, or by file (device and inode: a hard link or a bind mount of it)."""
     target = os.path.realpath(path)
+    try:
+        st = os.stat(target)
+        ident: tuple[int, int] | None = (st.st_dev, st.st_ino)
+    except OSError:
+        ident = None
     out = []
     try:
         names = sorted(n for n in os.listdir(SYS_BLOCK) if n.startswith("loop"))
@@ -197,6 +203,13 @@ def loop_devices_backed_by(path: str) -> list[str]:
         except OSError:
             continue  # not attached
         if backing == target:  # "<path> (deleted)": the device holds a file since removed, not this one
+            out.append(f"/dev/{name}")
+            continue
+        try:
+            other = os.stat(backing)
+        except OSError:
+            continue
+        if ident is not None and (other.st_dev, other.st_ino) == ident:
             out.append(f"/dev/{name}")
     return out
 
