@@ -440,6 +440,30 @@ class NoOpenIo(IoOps):
         raise AssertionError(f"opened {path}")
 
 
+class SwapBeforeOpen(IoOps):
+    """Puts another file at the path between the tier's checks and its open
+    (someone else's file, moved there meanwhile)."""
+
+    def __init__(self, other: Path) -> None:
+        self.other = other
+
+    def open(self, path: str, flags: int) -> int:
+        os.replace(self.other, path)
+        return super().open(path, flags)
+
+
+def test_a_path_replaced_between_its_checks_and_its_opening_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "ssd.bin"
+    path.write_bytes(b"\0" * (1 << 20))  # checked: zeros, a tier could start here
+    other = tmp_path / "theirs.bin"
+    theirs = b"\0" * (1 << 20)  # e.g. an image being made: all zeros, which a tier would format
+    other.write_bytes(theirs)
+    with pytest.raises(ConfigError, match="replaced between its checks and its opening") as info:
+        SsdTier.open([str(path)], None, SLOT, io=SwapBeforeOpen(other))
+    assert info.value.key == "ssd_path"
+    assert path.read_bytes() == theirs  # not formatted, not removed
+
+
 def _block_node(rdev: int) -> str | None:
     for name in sorted(os.listdir("/dev")):
         path = os.path.join("/dev", name)

@@ -541,6 +541,13 @@ class SsdTier:
                 raise ConfigError("ssd_path", path, "appeared while kvtier was starting; not touching it") \
                     from None
             raise ConfigError("ssd_path", path, f"cannot open: {err.strerror}") from None
+        if st is not None:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino, stat.S_IFMT(now.st_mode)) != \
+                    (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)):
+                os.close(fd)  # not in found: nothing of it is removed
+                raise ConfigError("ssd_path", path, "was replaced between its checks and its opening; "
+                                  "not touching it")
         found.append(_Opened(path, fd, created=st is None))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
