@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
@@ -405,6 +406,15 @@ class ClusterMover(_Jobs):
         self._io.shutdown(wait=True)
         self._ask.shutdown(wait=False, cancel_futures=True)
         self._health.join(timeout=5)
+        asking = self._asking
+        if asking is not None:
+            futures_wait([asking[0]], timeout=self.timeout_s)
+        if self._health.is_alive() or (asking is not None and not asking[0].done()):
+            # A lookup or a connection attempt is still inside Mooncake's
+            # client: closing it under that call could crash the process.
+            log.warning("kvtier cluster: a call to the cluster has not returned; its client is left to the "
+                        "process's exit")
+            return
         self.remote.close()
 
     # --- up and down ----------------------------------------------------------

@@ -21,6 +21,9 @@ class SlowMaster:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.calls = 0
+        self.busy = False
+        self.closed_under_a_call = False
+        self.closed = False
 
     def connect(self) -> None:
         pass
@@ -30,7 +33,9 @@ class SlowMaster:
 
     def exists(self, keys: list[bytes]) -> list[bool]:
         self.calls += 1
+        self.busy = True
         self.release.wait(60)
+        self.busy = False
         return [False] * len(keys)
 
     def fetch(self, keys, slots):  # noqa: ANN001, ANN201
@@ -40,7 +45,8 @@ class SlowMaster:
         return [False] * len(keys)
 
     def close(self) -> None:
-        self.release.set()
+        self.closed = True
+        self.closed_under_a_call = self.busy
 
 
 def test_lookups_do_not_queue_behind_one_stuck_on_the_cluster(make_tier) -> None:
@@ -63,3 +69,25 @@ def test_lookups_do_not_queue_behind_one_stuck_on_the_cluster(make_tier) -> None
     finally:
         remote.release.set()
         store.close()
+
+
+def test_the_client_is_not_closed_under_a_lookup_still_running(make_tier) -> None:
+    tier = make_tier(4096 * 4 + 16 * (4096 + 128), 4096)
+    remote = SlowMaster()
+    store = TieredStore(tier, 99, 90, cluster=remote, cluster_timeout_s=0.2)
+    try:
+        assert poll_until(lambda: store.cluster.up, 10)
+        assert store.probe([os.urandom(16)]).total == 0  # timed out; the call still runs
+        store.close()
+        assert not remote.closed and not remote.closed_under_a_call
+    finally:
+        remote.release.set()
+
+
+def test_the_client_is_closed_when_no_call_runs(make_tier) -> None:
+    remote = SlowMaster()
+    store = TieredStore(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), 99, 90, cluster=remote,
+                        cluster_timeout_s=0.2)
+    assert poll_until(lambda: store.cluster.up, 10)
+    store.close()
+    assert remote.closed and not remote.closed_under_a_call
