@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+
+import pytest
 
 from kvtier.store import TieredStore
 from kvtier.tools.server import poll_until
@@ -49,45 +52,43 @@ class SlowMaster:
         self.closed_under_a_call = self.busy
 
 
-def test_lookups_do_not_queue_behind_one_stuck_on_the_cluster(make_tier) -> None:
-    tier = make_tier(4096 * 4 + 16 * (4096 + 128), 4096)
-    remote = SlowMaster()
-    store = TieredStore(tier, 99, 90, cluster=remote, cluster_timeout_s=0.2)
-    try:
-        assert poll_until(lambda: store.cluster.up, 10)
-        for _ in range(10):
-            # The health check says "up" again right after each timeout.
-            assert poll_until(lambda: store.cluster.up, 10)
-            assert store.probe([os.urandom(16)]).total == 0
-        assert remote.calls == 1 and store.counters()["cluster_down"] >= 1
-        # The master answers again: the next lookup is the second one it
-        # gets; the nine made while the first was stuck were never sent (they
-        # would have queued behind it, each waiting its own timeout).
-        remote.release.set()
-        assert poll_until(lambda: store.probe([os.urandom(16)]) is not None and remote.calls >= 2, 10)
-        assert remote.calls == 2
-    finally:
-        remote.release.set()
-        store.close()
-
-
-def test_the_client_is_not_closed_under_a_lookup_still_running(make_tier) -> None:
-    tier = make_tier(4096 * 4 + 16 * (4096 + 128), 4096)
-    remote = SlowMaster()
-    store = TieredStore(tier, 99, 90, cluster=remote, cluster_timeout_s=0.2)
-    try:
-        assert poll_until(lambda: store.cluster.up, 10)
-        assert store.probe([os.urandom(16)]).total == 0  # timed out; the call still runs
-        store.close()
-        assert not remote.closed and not remote.closed_under_a_call
-    finally:
-        remote.release.set()
-
-
-def test_the_client_is_closed_when_no_call_runs(make_tier) -> None:
+@pytest.fixture
+def slow(make_tier) -> Iterator[tuple[TieredStore, SlowMaster]]:
+    """A store on a cluster whose master is up and whose lookups hang until released."""
     remote = SlowMaster()
     store = TieredStore(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), 99, 90, cluster=remote,
                         cluster_timeout_s=0.2)
     assert poll_until(lambda: store.cluster.up, 10)
+    try:
+        yield store, remote
+    finally:
+        remote.release.set()
+        store.close()
+
+
+def test_lookups_do_not_queue_behind_one_stuck_on_the_cluster(slow: tuple[TieredStore, SlowMaster]) -> None:
+    store, remote = slow
+    for _ in range(10):
+        # The health check says "up" again right after each timeout.
+        assert poll_until(lambda: store.cluster.up, 10)
+        assert store.probe([os.urandom(16)]).total == 0
+    assert remote.calls == 1 and store.counters()["cluster_down"] >= 1
+    # The master answers again: the next lookup is the second one it
+    # gets; the nine made while the first was stuck were never sent (they
+    # would have queued behind it, each waiting its own timeout).
+    remote.release.set()
+    assert poll_until(lambda: store.probe([os.urandom(16)]) is not None and remote.calls >= 2, 10)
+    assert remote.calls == 2
+
+
+def test_the_client_is_not_closed_under_a_lookup_still_running(slow: tuple[TieredStore, SlowMaster]) -> None:
+    store, remote = slow
+    assert store.probe([os.urandom(16)]).total == 0  # timed out; the call still runs
+    store.close()
+    assert not remote.closed and not remote.closed_under_a_call
+
+
+def test_the_client_is_closed_when_no_call_runs(slow: tuple[TieredStore, SlowMaster]) -> None:
+    store, remote = slow
     store.close()
     assert remote.closed and not remote.closed_under_a_call

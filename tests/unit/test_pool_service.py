@@ -188,6 +188,31 @@ def test_a_silent_session_loses_its_lease(tmp_path: Path) -> None:
         svc.stop()
 
 
+def test_leases_keep_ending_after_a_pass_of_the_lease_thread_failed(tmp_path: Path, monkeypatch) -> None:
+    svc = start(tmp_path, lease_ttl_ms=300)
+    try:
+        client(svc)  # makes the pool
+        failed = []
+        release_held = svc.store.release_held
+
+        def once_broken(now: float) -> int:
+            if not failed:
+                failed.append(now)
+                raise RuntimeError("a store bug, once")
+            return release_held(now)
+
+        monkeypatch.setattr(svc.store, "release_held", once_broken)
+        assert poll_until(lambda: failed, 10)
+        raw = socket.create_connection(("127.0.0.1", int(svc.address.rsplit(":", 1)[1])))
+        raw.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "silent", 1, 1, RANK_BYTES)))
+        assert isinstance(wire.decode_server(wire.recv_frame(raw)), wire.Welcome)
+        # The thread lived through the failure: the silent session still expires.
+        assert poll_until(lambda: svc.sessions_expired == 1, 10)
+        raw.close()
+    finally:
+        svc.stop()
+
+
 def test_token_is_required_when_set(tmp_path: Path) -> None:
     svc = start(tmp_path, token="s3cret-token")
     try:

@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 
 from kvtier.tools.meta import MetaProcess
-from kvtier.tools.server import (ServerError, free_port, log_tail, poll_until, remove_files, session_pids, stop_group,
-                                 vllm_shm_files)
+from kvtier.tools.server import (ServerError, free_port, log_tail, poll_until, remove_files, session_pids, signal_pids,
+                                 stop_group, vllm_shm_files)
 
 STATE_FILE = "serve.json"
 
@@ -241,17 +241,9 @@ def stop(log_dir: str, timeout_s: float = 120.0) -> int:
     # stopped as stop_group does for a child.
     leaders = [p["pid"] for p in procs if p["role"] != "supervisor" and process_start_time(p["pid"]) == p["start"]]
     files = vllm_shm_files([pid for leader in leaders for pid in session_pids(leader)])
-    for pid in leaders:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    signal_pids(leaders, signal.SIGTERM)
     poll_until(lambda: not any(session_pids(pid) for pid in leaders), timeout_s)
-    for pid in [p for leader in leaders for p in session_pids(leader)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_pids([p for leader in leaders for p in session_pids(leader)], signal.SIGKILL)
     poll_until(lambda: not any(session_pids(pid) for pid in leaders), 5.0)
     remove_files(files)
     path.unlink(missing_ok=True)

@@ -161,15 +161,20 @@ def stop_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGINT, ti
             pass
     if proc.poll() is not None:
         poll_until(lambda: not session_pids(proc.pid), grace_s)
-    for pid in session_pids(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signal_pids(session_pids(proc.pid), signal.SIGKILL)
     rc = proc.wait()
     poll_until(lambda: not session_pids(proc.pid), 5.0)
     remove_files(files)
     return rc
+
+
+def signal_pids(pids: list[int], sig: signal.Signals) -> None:
+    """``sig`` to each of ``pids``; one that is gone already is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def remove_files(paths: set[str]) -> None:
@@ -249,11 +254,7 @@ class VllmServer:
         noting vLLM's shared memory for :meth:`stop` to remove."""
         pids = self.pids()
         self.shm_files |= vllm_shm_files(pids)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_pids(pids, signal.SIGKILL)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
