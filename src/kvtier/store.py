@@ -235,7 +235,6 @@ class TieredStore:
         self._pending: dict[int, dict[int, list[bytes]]] = {}
         # Slots out of use until a time of the caller's clock (end_session, hold_slots).
         self._held: list[tuple[float, list[int]]] = []
-        self._held_count = 0  # slots in _held: in no entry, yet not free (they count as used)
         self._last_eviction_log = self._last_ssd_eviction_log = float("-inf")  # the first one always logs
         # Re-entrant: a job's done-callback may run on the thread that submitted it.
         self._lock = threading.RLock()
@@ -629,7 +628,6 @@ class TieredStore:
             if hold_until is not None and dropped:
                 # _drop appended the slots last: move them to the held list.
                 self._held.append((hold_until, self._free[free_before:]))
-                self._held_count += len(self._free) - free_before
                 del self._free[free_before:]
             return unpinned, dropped
 
@@ -641,7 +639,6 @@ class TieredStore:
             if want:
                 self._free = [x for x in self._free if x not in want]
                 self._held.append((until, sorted(want)))
-                self._held_count += len(want)
             return len(want)
 
     def release_held(self, now: float) -> int:
@@ -653,14 +650,12 @@ class TieredStore:
             self._held = [(t, slots) for t, slots in self._held if t > now]
             for slots in due:
                 self._free.extend(slots)
-            n = sum(len(x) for x in due)
-            self._held_count -= n
-            return n
+            return sum(len(x) for x in due)
 
     @property
     def held_slots(self) -> int:
         with self._lock:
-            return self._held_count
+            return self._held_total()
 
     def session_holds(self, owner: int) -> tuple[int, int]:
         """(pins held, PENDING entries) of ``owner``: what :meth:`end_session` would release."""
@@ -798,7 +793,10 @@ class TieredStore:
         # Held slots are in no entry and not free: left out, a pool whose
         # free list a dead session's saves emptied stayed under the high
         # mark and evicted nothing until the hold ended.
-        return len(self._entries) - self._freeing + self._held_count
+        return len(self._entries) - self._freeing + self._held_total()
+
+    def _held_total(self) -> int:
+        return sum(len(slots) for _, slots in self._held)  # a batch per ended session: few
 
     def _sync_dirty(self, key: bytes, e: _Entry) -> None:
         """Keep ``key`` in the dirty order exactly while cleaning may copy it."""
