@@ -345,20 +345,35 @@ class RemoteTier(Protocol):
 
     def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
 
+    def holds_mark(self) -> bool: ...
+
+    def put_mark(self) -> bool: ...
+
     def close(self) -> None: ...
 
 
 class ClusterHost(Protocol):
     """What a cluster mover's jobs ask of the store, each under the store's lock."""
 
-    def _end_fetch_locked(self, key: bytes, outcome: Fetched) -> None:
-        """The fetch of ``key`` into its PROMOTING entry's DRAM slot ended."""
+    def _end_fetch_locked(self, key: bytes, outcome: Fetched, epoch: int) -> None:
+        """The fetch of ``key`` into its PROMOTING entry's DRAM slot, begun
+        in ``epoch``, ended."""
         ...
 
-    def _end_publish_locked(self, key: bytes, ok: bool, bad: bool) -> None:
-        """The put of ``key`` ended (``ok``: the cluster has it); ``bad``: its
+    def _end_publish_locked(self, key: bytes, ok: bool, bad: bool, epoch: int) -> None:
+        """The put of ``key``, begun in ``epoch``, ended (``ok``: the cluster has it); ``bad``: its
         DRAM copy failed its checksums and was not sent. Releases the
         publishing pin."""
+        ...
+
+    def _publishing_ended_locked(self) -> None:
+        """A batch of puts ended: room for more (a resync goes on)."""
+        ...
+
+    def _cluster_lost_locked(self) -> None:
+        """A new epoch began with this node's mark put (again): what was
+        published before counts as unpublished; publish again what should
+        be in the cluster."""
         ...
 
 
@@ -373,6 +388,16 @@ class ClusterMover(_Jobs):
     answer 0 at once and nothing is published: the scheduler never waits on
     a dead master. Publishing is bounded by ``queue_blocks`` blocks in
     flight; past that a block is not published (counted), never waited for.
+
+    Epochs: a block published (or fetched) in ``epoch`` is known to be in the
+    cluster while the epoch lasts. Each health check also asks whether the
+    cluster still holds this node's mark (``MooncakeTier.holds_mark``); a
+    restarted master, or one that lost the segment the mark was in, lost
+    it, and with it (possibly) this node's blocks: a new epoch begins at
+    once (nothing counts as published), and another when the mark is put
+    again (the first one, at start, included), after which the store
+    publishes again what it holds (``_cluster_lost_locked``). A quick
+    restart is seen this way even when no health check failed.
     """
 
     def __init__(self, host: ClusterHost, lock: threading.RLock, counts: EventCounts, tier: DramTier,
@@ -385,6 +410,8 @@ class ClusterMover(_Jobs):
         self.timeout_s = timeout_s
         self._limit = queue_blocks
         self.publishing = 0  # blocks handed to publish() whose put has not ended
+        self.epoch = 0  # bumped when the cluster lost this node's mark and when it is put again
+        self._marked = False  # the mark was put in this epoch
         self._up = False
         self._closed = threading.Event()
         self._wake = threading.Event()
@@ -435,7 +462,10 @@ class ClusterMover(_Jobs):
             try:
                 if not self.remote.connected:
                     self.remote.connect()
-                ok = self.remote.healthy()
+                healthy = self.remote.healthy()
+                if healthy:
+                    self._check_mark()  # raises when the master cannot answer it: a failed check
+                ok = healthy
             except ClusterError as err:
                 log.debug("kvtier cluster: not reachable yet: %s", err)
             except Exception:  # noqa: BLE001 - the health thread must outlive any one failure
@@ -459,6 +489,26 @@ class ClusterMover(_Jobs):
                 wait = min(wait * 2, CLUSTER_RETRY_MAX_S)
             self._wake.wait(period)
             self._wake.clear()
+
+    def _check_mark(self) -> None:
+        """New epochs when the cluster no longer holds this node's mark:
+        one at once (what was published may be gone), one when it is put
+        again (the store then publishes again). Raises ClusterError."""
+        if self.remote.holds_mark():
+            return
+        with self._lock:
+            if self._marked:
+                self._marked = False
+                self.epoch += 1
+                self._c.cluster_lost += 1
+                log.warning("kvtier cluster: the cluster lost this node's mark (its master restarted, or the "
+                            "segment holding it left): blocks published before count as unpublished")
+        if not self.remote.put_mark():
+            return  # no segment with room yet (nodes re-join a restarted master on their own time)
+        with self._lock:
+            self._marked = True
+            self.epoch += 1
+            self._host._cluster_lost_locked()
 
     # --- called by the store ------------------------------------------------------
 
@@ -514,6 +564,7 @@ class ClusterMover(_Jobs):
 
     def _fetch(self, jobs: list[tuple[bytes, int]]) -> None:
         keys = [k for k, _ in jobs]
+        epoch = self.epoch  # what a fetched block is known to be in the cluster for
         try:
             outcomes = self.remote.fetch(keys, [s for _, s in jobs]) if self._up else [Fetched.ERROR] * len(jobs)
         except ClusterError as err:
@@ -524,10 +575,11 @@ class ClusterMover(_Jobs):
             outcomes = [Fetched.ERROR] * len(jobs)
         with self._lock:
             for key, outcome in zip(keys, outcomes):
-                self._host._end_fetch_locked(key, outcome)
+                self._host._end_fetch_locked(key, outcome, epoch)
 
     def _publish(self, jobs: list[tuple[bytes, int]]) -> None:
         tier = self._tier
+        epoch = self.epoch  # read before the puts: one that spans a new epoch counts as of the old
         bad = set()
         good: list[tuple[bytes, int]] = []
         for key, slot in jobs:
@@ -549,5 +601,6 @@ class ClusterMover(_Jobs):
         done = {k for (k, _), y in zip(good, ok) if y}
         with self._lock:
             for key, _ in jobs:
-                self._host._end_publish_locked(key, key in done, key in bad)
+                self._host._end_publish_locked(key, key in done, key in bad, epoch)
             self.publishing -= len(jobs)
+            self._host._publishing_ended_locked()

@@ -77,6 +77,7 @@ outside it.
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import logging
@@ -118,8 +119,8 @@ class _Entry:
     demoting: bool = False  # being written to SSD
     evict_after: bool = False  # free the DRAM copy once the SSD copy is durable
     doomed: bool = False  # found bad: unreadable now, dropped as soon as nothing uses it
-    in_cluster: bool = False  # published to (or fetched from) the cluster tier
-    publish_failed: bool = False  # a put of it failed: evicted as a plain block, not published again on the way out
+    cluster_epoch: int = -1  # the cluster mover's epoch in which it was published (or fetched): in the cluster while it lasts
+    failed_epoch: int = -1  # the epoch in which a put of it failed: evicted as a plain block, not published again on the way out
     from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
 
 
@@ -189,6 +190,7 @@ class EventCounts:
     cluster_publish_failures: int = 0  # puts refused or failed, or the cluster was down
     cluster_publish_skipped: int = 0  # not published: too many puts in flight, or left DRAM unpublished
     cluster_down: int = 0  # times the cluster became unreachable
+    cluster_lost: int = 0  # times the cluster lost this node's mark (master restarted): published blocks published again
 
 
 @dataclass(frozen=True)
@@ -274,10 +276,13 @@ class TieredStore:
         # The cluster tier below the node pool (kvtier.cluster.*): its own
         # threads for lookups, fetches and publishing (movers.py). None: the
         # store behaves exactly as without it.
-        self._cluster = ClusterMover(self, self._lock, self._c, tier, cluster, timeout_s=cluster_timeout_s) \
-            if cluster is not None else None
         self._publish_on_evict = publish_on_evict
         self._cluster_lookup = cluster_lookup_blocks
+        # Write-through: READY blocks to publish again since the cluster lost
+        # them (a new epoch), hottest first, as the publishing room allows.
+        self._resync: collections.deque[bytes] = collections.deque()
+        self._cluster = ClusterMover(self, self._lock, self._c, tier, cluster, timeout_s=cluster_timeout_s) \
+            if cluster is not None else None
 
     def _adopt(self, recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]]) -> None:
         # Written twice (a newer copy elsewhere before a crash): the newest
@@ -868,7 +873,8 @@ class TieredStore:
             e = self._entries[key]
             if e.pins or e.state is not EntryState.READY or e.evict_after:
                 continue
-            if publish_room and not (e.in_cluster or e.doomed or e.demoting or e.publish_failed):
+            if publish_room and not (self._in_cluster(e) or e.doomed or e.demoting
+                                     or e.failed_epoch == self._cluster.epoch):
                 # Published on its way out: pinned until the put ends, then an
                 # ordinary victim of a later eviction (by then in the cluster).
                 publish_room -= 1
@@ -917,7 +923,7 @@ class TieredStore:
         """With publishing on eviction, a block that leaves DRAM without
         reaching the cluster (puts in flight at the limit, or the cluster
         down) is counted: the cluster tier is missing it."""
-        if self._publish_on_evict and self._cluster is not None and not (e.in_cluster or e.doomed):
+        if self._publish_on_evict and self._cluster is not None and not (self._in_cluster(e) or e.doomed):
             self._c.cluster_publish_skipped += 1
 
     def _drop(self, key: bytes, e: _Entry) -> None:
@@ -1101,7 +1107,7 @@ class TieredStore:
         jobs = []
         for key in keys:
             e = self._entries.get(key)
-            if e is None or e.state is not EntryState.READY or e.doomed or e.in_cluster:
+            if e is None or e.state is not EntryState.READY or e.doomed or self._in_cluster(e):
                 continue
             if room <= 0:
                 self._c.cluster_publish_skipped += 1
@@ -1112,10 +1118,38 @@ class TieredStore:
         if jobs:
             self._cluster.publish(jobs)
 
-    def _end_publish_locked(self, key: bytes, ok: bool, bad: bool) -> None:
+    def _in_cluster(self, e: _Entry) -> bool:
+        """Whether ``e`` was published (or fetched) in the cluster's current epoch."""
+        return self._cluster is not None and e.cluster_epoch == self._cluster.epoch
+
+    def _cluster_lost_locked(self) -> None:
+        # Every entry's cluster_epoch is older now. With publishing on
+        # eviction nothing more is needed (victims are published on their
+        # way out again); write-through publishes what DRAM holds again.
+        if self._publish_on_evict:
+            return
+        victims = list(self._policy.victims())  # coldest first
+        victims.reverse()
+        self._resync = collections.deque(victims)
+        self._publishing_ended_locked()
+
+    def _publishing_ended_locked(self) -> None:
+        if not self._resync or self._cluster is None:
+            return
+        room = self._cluster.room()
+        batch: list[bytes] = []
+        while self._resync and len(batch) < room:
+            key = self._resync.popleft()
+            e = self._entries.get(key)
+            if e is not None and e.state is EntryState.READY and not e.doomed and not self._in_cluster(e):
+                batch.append(key)
+        if batch:
+            self._publish_locked(batch)
+
+    def _end_publish_locked(self, key: bytes, ok: bool, bad: bool, epoch: int) -> None:
         e = self._entries[key]
         if ok:
-            e.in_cluster = True
+            e.cluster_epoch = epoch
             self._c.cluster_published += 1
         elif bad:
             self._c.corrupt_dram += 1
@@ -1127,18 +1161,18 @@ class TieredStore:
             # Not published again on its way out: with puts failing (cluster
             # full or refusing), the same victims were pinned for a put at
             # every eviction and DRAM freed nothing.
-            e.publish_failed = True
+            e.failed_epoch = epoch
             self._c.cluster_publish_failures += 1
         self._unpin([key])
 
-    def _end_fetch_locked(self, key: bytes, outcome: Fetched) -> None:
+    def _end_fetch_locked(self, key: bytes, outcome: Fetched, epoch: int) -> None:
         e = self._entries[key]
         if e.doomed:  # reset while it was fetched (only clear() dooms a PROMOTING entry)
             self._drop(key, e)
             return
         if outcome is Fetched.OK:
             e.state = EntryState.READY
-            e.in_cluster = True
+            e.cluster_epoch = epoch
             self.tier.publish(e.slot)
             self._c.cluster_fetched += 1
             self._sync_dirty(key, e)
@@ -1187,6 +1221,7 @@ class TieredStore:
                 "cluster_corrupt": c.cluster_corrupt, "cluster_fetch_errors": c.cluster_fetch_errors,
                 "cluster_published": c.cluster_published, "cluster_publish_failures": c.cluster_publish_failures,
                 "cluster_publish_skipped": c.cluster_publish_skipped, "cluster_down": c.cluster_down,
+                "cluster_lost": c.cluster_lost,
                 "cluster_up": int(self._cluster.up)}
 
     def statistics(self) -> StoreStatistics:

@@ -316,6 +316,37 @@ def test_master_down_is_a_fast_miss_and_service_resumes(node: TieredStore, peer:
     assert node.counters()["cluster_fetched"] >= 2
 
 
+@own_master
+def test_blocks_published_before_a_master_restart_are_published_again(node: TieredStore,
+                                                                       master: MasterSupervisor) -> None:
+    """A master killed and restarted at once (by its supervisor) starts
+    empty, and the node may never see it down; the node's mark is gone with
+    it, so the node publishes again the blocks it holds (write-through):
+    they are in the new master's cluster, not just in the node's DRAM."""
+    keys = [block_key(60, i) for i in range(4)]
+    save_blocks(node, keys, 0, seed=60)
+    node.wait_idle(30)
+    assert node.counters()["cluster_published"] == 4 and node.cluster.remote.exists(keys) == [True] * 4
+    pid = master.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: master.restarts == 1, what="the master's restart")
+
+    def published_again() -> bool:
+        try:
+            return node.cluster.remote.exists(keys) == [True] * 4
+        except Exception:  # noqa: BLE001 - the client is reconnecting to the new master
+            return False
+
+    # Mooncake's client re-mounts its segment on the new master on its own
+    # schedule; the mark can be put, and the blocks published, only then.
+    wait_for(published_again, timeout_s=120, what="the blocks to be in the restarted master")
+    c = node.counters()
+    assert c["cluster_lost"] == 1
+    assert c["cluster_published"] >= 8
+    assert all(node.contains(k) for k in keys)
+
+
 @own_master  # a dead peer stays mounted at the master for seconds: other tests' puts would land in it
 def test_peer_node_killed_is_a_miss_counted_and_the_store_lives(make_tier, peer: Peer,
                                                                 master: MasterSupervisor,

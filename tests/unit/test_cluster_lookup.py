@@ -41,6 +41,12 @@ class SlowMaster:
         self.busy = False
         return [False] * len(keys)
 
+    def holds_mark(self) -> bool:
+        return True  # the node's mark, asked with each health check: answered at once here
+
+    def put_mark(self) -> bool:
+        return True
+
     def fetch(self, keys, slots):  # noqa: ANN001, ANN201
         return []
 

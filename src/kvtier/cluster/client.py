@@ -13,7 +13,9 @@ Order of calls::
     tier.exists(keys)       -> [bool]     # batch_is_exist
     tier.fetch(keys, slots) -> [Fetched]  # batch_get_into_multi_buffers, straight into arena slots
     tier.publish(keys, slots) -> [bool]   # batch_put_from_multi_buffers, straight from arena slots
-    tier.close()
+    tier.holds_mark() -> bool             # is this node's mark still in the cluster?
+    tier.put_mark() -> bool               # put it (again)
+    tier.close()                          # removes the mark
 
 Values: a value is the block's 128-byte DRAM slot header (key, a ready mark
 per rank, a checksum per rank, each seeded with the key) followed by the
@@ -30,6 +32,15 @@ Keys: ``kvtier1/<ranks>x<rank_bytes>/<block key hex>``. The block key holds
 the model, dtypes, layout and parallel sizes (keys.py), so instances of
 different models share one cluster without meeting; the geometry in the
 name keeps pools of other slot shapes apart before a byte moves.
+
+The mark: a ``MARK_BYTES`` value under ``kvtier1/mark/<random>``, one per
+client, hard-pinned (never evicted for room). A master that restarts starts
+empty, and one that loses a node's segment loses the values held there;
+both lose the mark as well, the only sign a client gets (Mooncake's calls
+go on working against the new master). The store's mover checks the mark
+with each health check and, when it is gone, puts it again and counts
+everything it had published as unpublished (see ``ClusterMover``). A node
+that dies without closing leaves its mark (64 bytes) in the cluster.
 
 Thread safety: Mooncake's client is called from several threads; the
 staging buffer of headers is split per call under a lock.
@@ -66,6 +77,7 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvtier1"
 STAGING_HEADERS = 1024  # headers one fetch call may stage; bigger batches are split
+MARK_BYTES = 64  # this node's mark: a small value whose absence says the cluster lost what the node published
 _NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 
 
@@ -110,7 +122,7 @@ def _ha_leader(cfg: ClusterConfig) -> str:
         raise ClusterError(f"no Mooncake master leads yet (etcd at {cfg.etcd_endpoints}: an election under "
                            "way, or no master started)")
     host, _, port = where.rpartition(":")
-    if not port.isdigit() or not port_open(host.strip("[]"), int(port), timeout_s=0.5):
+    if not (port.isascii() and port.isdigit()) or not port_open(host.strip("[]"), int(port), timeout_s=0.5):
         raise ClusterError(f"the leading Mooncake master at {where} (named by etcd) does not take "
                            "connections")
     return where
@@ -127,7 +139,9 @@ class MooncakeTier:
         self._staging_addr = 0
         self._staging_lock = threading.Lock()
         self._replicate = None
+        self._mark_rep = None
         self._tag = f"{KEY_PREFIX}/{tier.ranks}x{tier.rank_bytes}/"
+        self._mark = f"{KEY_PREFIX}/mark/{os.urandom(12).hex()}"
         self._value_bytes = HEADER_BYTES + tier.slot_stride
 
     # --- connection -------------------------------------------------------
@@ -171,7 +185,9 @@ class MooncakeTier:
             store.close()
             raise ClusterError(f"Mooncake setup against the master at {entry} failed ({rc})")
         addr, size = self.tier.mapped_range
-        staging = mmap.mmap(-1, STAGING_HEADERS * HEADER_BYTES)
+        # The staged headers, then the mark's bytes (never written by a fetch).
+        staging = mmap.mmap(-1, STAGING_HEADERS * HEADER_BYTES + MARK_BYTES)
+        staging[-MARK_BYTES:] = b"kvtier mark".ljust(MARK_BYTES, b"\0")
         staging_addr = ctypes.addressof(ctypes.c_char.from_buffer(staging))
         for what, a, n in (("the arena", addr, size), ("the header staging buffer", staging_addr, len(staging))):
             rc = store.register_buffer(a, n)
@@ -181,6 +197,10 @@ class MooncakeTier:
         rep = ReplicateConfig()
         rep.replica_num = cfg.replicas
         self._replicate = rep
+        mark_rep = ReplicateConfig()
+        mark_rep.replica_num = 1
+        mark_rep.with_hard_pin = True
+        self._mark_rep = mark_rep
         self._staging, self._staging_addr = staging, staging_addr
         self._store = store
         log.info("kvtier cluster: joined the Mooncake master at %s as %s (lends %d MiB, %s)",
@@ -190,6 +210,10 @@ class MooncakeTier:
     def close(self) -> None:
         store, self._store = self._store, None
         if store is not None:
+            try:
+                store.remove(self._mark, True)
+            except Exception:  # noqa: BLE001 - a mark left behind is 64 bytes; closing goes on
+                log.debug("kvtier cluster: removing this node's mark failed", exc_info=True)
             if self.cfg.etcd_endpoints:
                 log.info("kvtier cluster: closing the Mooncake client (with etcd this waits for Mooncake's "
                          "leader watch, up to 30 s)")
@@ -202,6 +226,23 @@ class MooncakeTier:
         """True when connected and the master answers."""
         store = self._store
         return store is not None and store.health_check() == 0
+
+    def holds_mark(self) -> bool:
+        """Whether the cluster still holds this client's mark (False before
+        :meth:`put_mark`). ClusterError when it cannot say."""
+        got = self._client().batch_is_exist([self._mark])
+        if len(got) != 1 or got[0] < 0:
+            raise ClusterError(f"existence check failed ({min(got, default=-1)})")
+        return got[0] == 1
+
+    def put_mark(self) -> bool:
+        """Put this client's mark, hard-pinned; True when the cluster took it
+        (False: no segment with room, e.g. before the nodes re-joined a
+        restarted master)."""
+        store = self._client()
+        got = store.batch_put_from_multi_buffers(
+            [self._mark], [[self._staging_addr + STAGING_HEADERS * HEADER_BYTES]], [[MARK_BYTES]], self._mark_rep)
+        return len(got) == 1 and got[0] == 0
 
     def _client(self):
         store = self._store
