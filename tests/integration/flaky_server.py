@@ -5,7 +5,11 @@ the last user message picks the behaviour: ``ok`` streams five tokens,
 ``error`` answers HTTP 500, ``stall`` never answers, ``cut`` drops the
 connection mid-stream, ``empty`` finishes without output, ``midError``
 sends an error event inside the stream, ``trickle`` sends a token every
-200 ms and never finishes. /metrics serves counters that grow by fixed
+200 ms and never finishes, ``nodone`` sends its tokens and usage and
+closes without ``[DONE]``, ``silent`` streams tokens whose text is empty
+(as vLLM does for a token that decodes to nothing yet), ``reasoning``
+starts with a reasoning delta. Every stream starts with vLLM's role-only
+chunk, sent with the first token. /metrics serves counters that grow by fixed
 amounts per request, so hit rates are known; /requests returns every
 request body received, so tests can check what the client sent.
 """
@@ -47,8 +51,11 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"data": [{"id": "flaky-model"}]})
 
 
-def _chunk(text: str) -> bytes:
-    return f"data: {json.dumps({'choices': [{'delta': {'content': text}}]})}\n\n".encode()
+def _chunk(text: str, field: str = "content") -> bytes:
+    return f"data: {json.dumps({'choices': [{'delta': {field: text}}]})}\n\n".encode()
+
+
+ROLE_CHUNK = f"data: {json.dumps({'choices': [{'delta': {'role': 'assistant', 'content': ''}}]})}\n\n".encode()
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -67,12 +74,18 @@ async def chat(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: [DONE]\n\n")
         return resp
     turns = sum(1 for m in body["messages"] if m["role"] == "user")
+    await resp.write(ROLE_CHUNK)
     if mode == "trickle":
         for i in range(100000):
             await resp.write(_chunk(f"t{turns}.{i} "))
             await asyncio.sleep(0.2)
     for i in range(5):
-        await resp.write(_chunk(f"t{turns}.{i} "))
+        if mode == "silent":
+            await resp.write(_chunk(""))
+        elif mode == "reasoning" and i == 0:
+            await resp.write(_chunk("thinking", "reasoning_content"))
+        else:
+            await resp.write(_chunk(f"t{turns}.{i} "))
         await asyncio.sleep(0.005)
         if mode == "cut" and i == 2:
             request.transport.close()
@@ -83,6 +96,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     usage = {"prompt_tokens": 10 * turns, "completion_tokens": 5,
              "prompt_tokens_details": {"cached_tokens": 4 * turns}}
     await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+    if mode == "nodone":
+        return resp
     await resp.write(b"data: [DONE]\n\n")
     return resp
 

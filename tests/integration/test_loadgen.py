@@ -25,6 +25,7 @@ from kvtier.tools.loadgen import (
     run,
     summarize,
 )
+from kvtier.tools.client import RequestResult, hit_rates, stream_chat
 from kvtier.tools.report import markdown, write_all
 from kvtier.tools.server import free_port
 
@@ -66,6 +67,59 @@ def test_failures_are_counted_by_kind_and_kept_out_of_latencies(flaky_url: str) 
     assert s["ttft_s"]["mean"] == pytest.approx(sum(r.ttft_s for r in ok) / len(ok))
     assert s["completion_tokens"] == 10
     assert report.results[0].text == "t1.0 t1.1 t1.2 t1.3 t1.4 "
+
+
+def test_ttft_starts_at_the_first_chunk_that_carries_a_token(flaky_url: str) -> None:
+    """vLLM streams a chunk per token: one whose token decodes to nothing yet
+    has empty text, a reasoning model's first tokens are reasoning, and only
+    the role-only first chat chunk carries none."""
+    report = run([Session([f"q {m}"]) for m in ("silent", "reasoning", "ok")],
+                 BenchOptions(url=flaky_url, concurrency=1, max_tokens=8))
+    by_mode = {r.session: r for r in report.results}
+    silent, reasoning, ok = by_mode[0], by_mode[1], by_mode[2]
+    assert all(r.ok for r in (silent, reasoning, ok))
+    # Five tokens each: the first sets TTFT, the other four are gaps.
+    assert [(r.token_chunks, len(r.itl_s)) for r in (silent, reasoning, ok)] == [(5, 4)] * 3
+    assert silent.text == "" and 0 < silent.ttft_s < silent.e2e_s
+    assert reasoning.text == "t1.1 t1.2 t1.3 t1.4 "
+    assert report.summary["ttft_s"]["p50"] > 0
+
+
+def test_the_simple_client_fails_streams_that_break_off(flaky_url: str) -> None:
+    """The client of the demo and benchmarks: an error inside the stream, or
+    a stream closed before [DONE], is a failed request, not a short answer."""
+    with httpx.Client() as client:
+        def ask(mode: str) -> RequestResult:
+            return stream_chat(client, flaky_url, [{"role": "user", "content": f"q {mode}"}], max_tokens=8)
+
+        broken = {m: ask(m) for m in ("midError", "nodone", "cut", "empty")}
+        assert not any(r.ok for r in broken.values())
+        assert "engine died" in broken["midError"].error
+        assert broken["nodone"].error == "stream ended before [DONE]"
+        assert broken["empty"].error == "stream ended without output"
+        good, silent = ask("ok"), ask("silent")
+        assert good.ok and good.text == "t1.0 t1.1 t1.2 t1.3 t1.4 " and good.completion_tokens == 5
+        assert silent.ok and silent.token_chunks == 5 and 0 < silent.ttft_s < silent.e2e_s
+
+
+def test_hit_rates_across_a_server_restart() -> None:
+    """Counters lower than at the start were reset (the server restarted):
+    the interval counts what they counted since, never a negative delta."""
+    before = {"vllm:prefix_cache_queries_total": 10000.0, "vllm:prefix_cache_hits_total": 9000.0,
+              "vllm:external_prefix_cache_queries_total": 1000.0, "vllm:external_prefix_cache_hits_total": 10.0,
+              "vllm:num_requests_running": 3.0}
+    # The external hits grew past their old count since the restart; the
+    # running gauge fell, as gauges do.
+    after = {"vllm:prefix_cache_queries_total": 1000.0, "vllm:prefix_cache_hits_total": 0.0,
+             "vllm:external_prefix_cache_queries_total": 1000.0, "vllm:external_prefix_cache_hits_total": 900.0,
+             "vllm:num_requests_running": 0.0}
+    h = hit_rates(before, after)
+    assert h.queries == 1000 and h.h1 == 0.0 and h.h2 == pytest.approx(0.9)
+    assert h.external_tokens == 900
+    # Without a restart, a falling gauge is no reset.
+    later = {**after, "vllm:prefix_cache_queries_total": 1500.0, "vllm:prefix_cache_hits_total": 100.0,
+             "vllm:num_requests_running": 5.0}
+    assert hit_rates(after, later).queries == 500 and hit_rates(after, later).h1 == pytest.approx(0.2)
 
 
 def _bodies(url: str) -> list[dict]:

@@ -3,7 +3,12 @@
 Runs in the demo, tests and benchmarks. :func:`stream_chat` and
 :func:`stream_completion` send one streaming request and return a
 :class:`RequestResult`; time to first token is measured from just before the
-request is sent to the first chunk that carries generated text.
+request is sent to the first chunk that carries a generated token, as
+vLLM's own benchmark does: a completion chunk with a ``text`` field, even
+empty (a token that decodes to nothing yet: part of a UTF-8 character, a
+special token), or a chat delta other than the role-only first one
+(content or reasoning). A stream that reports an error or ends before
+``[DONE]`` is a failed request.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class RequestResult:
     cached_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
+    token_chunks: int = 0  # chunks that carried a generated token (the first one sets ttft_s)
 
 
 def absorb_chunk(res: Any, chunk: dict, t0: float, last: float) -> float:
@@ -37,15 +43,24 @@ def absorb_chunk(res: Any, chunk: dict, t0: float, last: float) -> float:
     returns the time of the latest token. ``res`` has the fields of
     :class:`RequestResult`."""
     for choice in chunk.get("choices") or []:
-        piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-        if piece:
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            piece = delta.get("content") or ""
+            # vLLM's first chat chunk names the role with empty content.
+            token = bool(piece or delta.get("reasoning_content") or delta.get("reasoning")) \
+                or ("role" not in delta and "content" in delta)
+        else:
+            piece = choice.get("text") or ""
+            token = "text" in choice
+        if token:
             now = time.perf_counter()
-            if not res.text:
+            if res.token_chunks == 0:
                 res.ttft_s = now - t0
             else:
                 res.itl_s.append(now - last)
+            res.token_chunks += 1
             last = now
-            res.text += piece
+        res.text += piece
     usage = chunk.get("usage")
     if usage:
         res.prompt_tokens = usage.get("prompt_tokens") or 0
@@ -59,6 +74,7 @@ def _stream(client: httpx.Client, url: str, body: dict, timeout_s: float) -> Req
     res = RequestResult(ok=False)
     t0 = time.perf_counter()
     last = t0
+    done = False
     try:
         with client.stream("POST", url, json=body, timeout=timeout_s) as r:
             if r.status_code != 200:
@@ -70,15 +86,23 @@ def _stream(client: httpx.Client, url: str, body: dict, timeout_s: float) -> Req
                     continue
                 data = line[6:]
                 if data.strip() == "[DONE]":
+                    done = True
                     break
-                last = absorb_chunk(res, json.loads(data), t0, last)
+                chunk = json.loads(data)
+                if isinstance(chunk, dict) and "error" in chunk:
+                    res.error = f"error in the stream: {str(chunk['error'])[:200]}"
+                    return res
+                last = absorb_chunk(res, chunk, t0, last)
     except (httpx.HTTPError, json.JSONDecodeError) as err:
         res.error = f"{type(err).__name__}: {err}"
         return res
     res.e2e_s = time.perf_counter() - t0
-    res.ok = bool(res.text) or res.completion_tokens > 0
-    if not res.ok:
+    if not done:
+        res.error = "stream ended before [DONE]"
+    elif res.token_chunks == 0:
         res.error = "stream ended without output"
+    else:
+        res.ok = True
     return res
 
 
@@ -151,6 +175,15 @@ class HitRates:
 
 
 def hit_rates(before: dict[str, float], after: dict[str, float]) -> HitRates:
+    # A counter lower than before means the server restarted in between
+    # and all its counters began again at 0: what they count now is all
+    # there is of the interval since (a counter that grew past its old
+    # value by then would otherwise give a wrong, smaller delta).
+    restarted = any(v < before.get(k, 0.0) for k, v in after.items()
+                    if k.startswith(("vllm:", "kvtier_")) and k.partition("{")[0].endswith("_total"))
+    if restarted:
+        before = {}
+
     def d(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 

@@ -67,6 +67,7 @@ class Result:
     completion_tokens: int = 0
     cached_tokens: int = 0
     text: str = ""
+    token_chunks: int = 0  # chunks that carried a generated token (the first one sets ttft_s)
 
 
 @dataclass
@@ -200,7 +201,7 @@ async def _stream_one(client: httpx.AsyncClient, opts: BenchOptions, model: str,
     res.e2e_s = time.perf_counter() - t0
     if not done:
         res.error_kind, res.error = "cut", "stream ended before [DONE]"
-    elif not res.text and res.completion_tokens == 0:
+    elif res.token_chunks == 0:
         res.error_kind, res.error = "empty", "no output"
     else:
         res.ok = True
