@@ -236,6 +236,11 @@ def _size(args: argparse.Namespace) -> int:
     if args.config is not None:
         from kvtier.pool.config import load_pool_config
 
+        if not args.config and not (os.environ.get("MMC_LOCAL_CONFIG_PATH") or args.meta_config
+                                    or os.environ.get("MMC_META_CONFIG_PATH")):
+            raise ConfigError("--config", "", "no file given and neither MMC_LOCAL_CONFIG_PATH nor "
+                              "MMC_META_CONFIG_PATH is set")
+
         cfg = load_pool_config(meta_path=args.meta_config, local_path=args.config or None)
         print(sizing.format_pool_totals(sizing.pool_totals(cfg)))
         if not (args.model_dir or args.log):
@@ -311,6 +316,21 @@ def _true_false(text: str) -> bool:
         return _TRUE_FALSE[text.strip().lower()]
     except KeyError:
         raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}") from None
+
+
+def _at_least(low: int):
+    """An argparse type: an integer of at least ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n} is below {low}")
+        return n
+
+    return parse
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
@@ -451,9 +471,9 @@ def parser() -> argparse.ArgumentParser:
     sz.add_argument("--model-dir", default=None, help="a model directory (its config.json)")
     sz.add_argument("--log", default=None, help="a vLLM log with 'Available KV cache memory' lines")
     sz.add_argument("--dtype", default=None, help="KV dtype (default: the model's)")
-    sz.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with --model-dir)")
-    sz.add_argument("--devices", type=int, default=None, help="devices (default: from TP or the log)")
-    sz.add_argument("--concurrency", type=int, default=0)
+    sz.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel ranks (with --model-dir)")
+    sz.add_argument("--devices", type=_at_least(1), default=None, help="devices (default: from TP or the log)")
+    sz.add_argument("--concurrency", type=_at_least(0), default=0)
     sz.add_argument("--mean-tokens", type=float, default=0, help="mean request length in tokens")
     sz.add_argument("--dram-size", default=None, help="DRAM tier per device, e.g. 20GB")
     sz.add_argument("--staging-size", default=None, help="SSD staging memory per device, e.g. 10GB")

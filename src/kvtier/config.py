@@ -15,11 +15,13 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from decimal import Decimal
 
 from kvtier.errors import ConfigError
 from kvtier.hostmem import available_memory_bytes, cgroup_memory_limit, free_huge_pages, hugetlbfs_page_size
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE | re.ASCII)
+_SIZE_MAX = 1 << 60  # 1 EiB: beyond any memory or disk a node has
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -39,11 +41,15 @@ def parse_size(key: str, value: object, source: str = "", allow_zero: bool = Fal
         m = _SIZE_RE.match(value)
         if not m:
             raise ConfigError(key, value, "expected a size such as '2GB', '512MiB' or a byte count", source)
-        size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        # Decimal, not float: exact for any length of digits (float made 400
+        # nines infinity, and 2**53 + 1 bytes one byte less).
+        size = int(Decimal(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
     else:
         raise ConfigError(key, value, "expected a size such as '2GB'", source)
     if size < 0 or (size == 0 and not allow_zero):
         raise ConfigError(key, value, "size must be positive", source)
+    if size > _SIZE_MAX:
+        raise ConfigError(key, value, "size above 1 EiB: a typo?", source)
     return size
 
 
@@ -136,15 +142,16 @@ def parse_path(key: str, value: object, source: str = "") -> str:
 
 
 def parse_url_value(key: str, value: object, source: str = "") -> str:
-    """``tcp://HOST:PORT`` or ``unix:///PATH``."""
-    text = str(value).strip() if isinstance(value, str) else ""
-    if text.startswith("unix:///"):
-        return text
-    if text.startswith("tcp://"):
-        host, sep, port = text[len("tcp://"):].rpartition(":")
-        if sep and host and port.isdigit() and 0 < int(port) < 65536:
-            return text
-    raise ConfigError(key, value, "expected tcp://HOST:PORT or unix:///PATH", source)
+    """The meta service's ``tcp://HOST:PORT`` or ``unix:///PATH``, checked as
+    the service checks its own (``ock.mmc.meta_service_url``), and a port an
+    instance can connect to (not 0)."""
+    from kvtier.pool.config import parse_service_url  # the pool's config imports this module
+
+    addr = parse_service_url(key, value, source)
+    if addr.port == 0:
+        raise ConfigError(key, value, "port 0 is for the service (any free port); give the port it listens on",
+                          source)
+    return addr.url
 
 
 def parse_token(key: str, value: object, source: str = "") -> str:

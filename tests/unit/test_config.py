@@ -31,7 +31,8 @@ def test_parse_size_accepts(value: object, expected: int) -> None:
     assert parse_size("dram_size", value) == expected
 
 
-@pytest.mark.parametrize("value", ["abc", -1, 0, True, False, "", "2XB", "-5MB", 1.5, None, [1]])
+@pytest.mark.parametrize("value", ["abc", -1, 0, True, False, "", "2XB", "-5MB", 1.5, None, [1],
+                                   "9" * 400, "2EB", "２GB", 1 << 61])
 def test_parse_size_refuses_and_names_key_and_value(value: object) -> None:
     with pytest.raises(ConfigError) as info:
         parse_size("dram_size", value, "somewhere")
@@ -179,3 +180,25 @@ def test_dram_size_above_the_containers_memory_limit_is_refused(monkeypatch) -> 
         "/sys/fs/cgroup/kubepods/pod1, with 0.8 GiB in use); the arena counts against it")
     # What fits under the limit passes.
     assert parse_connector_config({"dram_size": "200MiB"}).dram_size_bytes == 200 << 20
+
+
+def test_exact_sizes_are_kept_to_the_byte() -> None:
+    assert parse_size("dram_size", "9007199254740993") == 9007199254740993  # 2**53 + 1: not through a float
+    assert parse_size("dram_size", "0.5KB") == 512
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:\u00b2", "tcp://127.0.0.1:\uff15\uff10\uff10\uff10",
+                                 "tcp://xx.xx.xx.xx:5000", "tcp://a b/c:5000", "tcp://127.0.0.1:80",
+                                 "tcp://127.0.0.1:0", "unix:///" + "d/" * 60 + "meta.sock", "unix://relative.sock"])
+def test_the_instances_service_url_is_checked_as_the_service_checks_it(url: str) -> None:
+    """Refused with one line naming the key, where the service (or the
+    connection) would have failed later, or a stray digit crashed the parse."""
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config({"backend": "pool", "meta_service_url": url}, check_memory=False)
+    assert info.value.key == "meta_service_url" and "\n" not in str(info.value)
+
+
+def test_the_instances_service_url_accepts_what_the_service_listens_on() -> None:
+    for url in ("tcp://127.0.0.1:5000", "tcp://[::1]:5000", "unix:///run/kvtier/meta.sock"):
+        cfg = parse_connector_config({"backend": "pool", "meta_service_url": url}, check_memory=False)
+        assert cfg.meta_service_url == url

@@ -403,6 +403,20 @@ def test_unknown_key_names_the_closest(tmp_path: Path, typo: str, closest: str) 
     assert str(info.value).endswith(f"the closest known key is {closest}")
 
 
+def test_an_unknown_keys_value_is_not_shown(tmp_path: Path) -> None:
+    """A mistyped key may hold a secret (kvtier.tokn = ...)."""
+    with pytest.raises(ConfigError) as info:
+        load_local(tmp_path, "kvtier.tokn = S3cr3tValue\n")
+    assert "S3cr3tValue" not in str(info.value) and "kvtier.token" in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:\u00b2", "tcp://127.0.0.1:\uff15\uff10\uff10\uff10"])
+def test_a_port_of_non_ascii_digits_is_one_clear_line(tmp_path: Path, url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_local(tmp_path, f"ock.mmc.meta_service_url = {url}\n")
+    assert info.value.key == "ock.mmc.meta_service_url"
+
+
 # --- protocol ------------------------------------------------------------------
 
 

@@ -15,12 +15,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from kvtier.config import KvtierConfig
+from kvtier.pool import http as pool_http
 from kvtier.pool import wire
 from kvtier.pool.client import PoolPlacement, PoolRefused
+from kvtier.pool.http import PoolHttp
 from kvtier.pool.service import MetaService, ServiceOptions
 from kvtier.tier.dram import DramTier, checksum
 from kvtier.tools.server import poll_until
@@ -401,3 +404,55 @@ def test_a_hello_that_arrives_while_the_service_stops_makes_no_pool(tmp_path: Pa
         assert svc.store is None and list((tmp_path / "shm").iterdir()) == []  # no arena left behind
     finally:
         s.close()
+
+
+# --- the HTTP side (metrics, health, queries) -------------------------------------
+
+
+@pytest.fixture
+def http_server(service: MetaService, monkeypatch: pytest.MonkeyPatch) -> Iterator[PoolHttp]:
+    monkeypatch.setattr(pool_http, "HTTP_TIMEOUT_S", 0.5)
+    h = PoolHttp(service, "127.0.0.1", 0)
+    h.start()
+    yield h
+    h.stop()
+
+
+def test_an_idle_http_connection_is_dropped_and_others_are_served(http_server: PoolHttp) -> None:
+    """A client that connects and sends nothing, or less body than it
+    announced, no longer holds a thread and a descriptor for good."""
+    host, port = http_server.server.server_address[:2]
+    idle = socket.create_connection((host, port))
+    short = socket.create_connection((host, port))
+    short.sendall(b"POST /batch_query_keys HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    try:
+        assert httpx.get(http_server.url + "/health", timeout=5).status_code == 200
+        for s in (idle, short):
+            s.settimeout(30)
+            while s.recv(4096):  # the server closes it (an error reply first, or nothing)
+                pass
+    finally:
+        idle.close()
+        short.close()
+
+
+def test_deeply_nested_json_is_a_bad_request(http_server: PoolHttp) -> None:
+    r = httpx.post(http_server.url + "/batch_query_keys", content=b"[" * 100_000, timeout=10)
+    assert r.status_code == 400 and "nested" in r.json()["error"]
+    assert httpx.get(http_server.url + "/health", timeout=5).status_code == 200
+
+
+def test_metrics_and_health_on_an_ipv6_loopback(service: MetaService) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    h = PoolHttp(service, "::1", 0)
+    h.start()
+    try:
+        assert h.url.startswith("http://[::1]:")
+        assert httpx.get(h.url + "/health", timeout=5).status_code == 200
+        assert "kvtier_pool_clients" in httpx.get(h.url + "/metrics", timeout=5).text
+    finally:
+        h.stop()

@@ -47,6 +47,17 @@ def test_bad_model_configs_are_named(tmp_path: Path) -> None:
         sizing.from_model_dir(str(tmp_path))
     with pytest.raises(ConfigError, match="--dtype"):
         sizing.from_model_dir(model_dir(tmp_path), dtype="float7")
+    for field in ("num_attention_heads", "num_hidden_layers"):
+        with pytest.raises(ConfigError, match=field):
+            sizing.from_model_dir(model_dir(tmp_path, **{field: 0}))
+    with pytest.raises(ConfigError, match="not a number"):
+        sizing.from_model_dir(model_dir(tmp_path, num_hidden_layers="many"))
+
+
+def test_a_multimodal_configs_top_level_dtype_counts(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32", "text_config": {
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 512}}))
+    assert sizing.from_model_dir(str(tmp_path)).bytes_per_token == 2 * 2 * 2 * 128 * 4
 
 
 def test_bytes_per_token_from_vllm_log_lines() -> None:
@@ -116,6 +127,22 @@ def test_cli_size(tmp_path: Path, capsys) -> None:
     page = sizing.hugepage_size_bytes()
     assert f"huge pages: {-(-(4 << 30) // page)} of {page >> 10} kB" in out
     assert cli_main(["size"]) == 2
+
+
+
+@pytest.mark.parametrize("args", [["--devices", "-2"], ["--devices", "0"], ["--tp", "0"], ["--concurrency", "-1"]])
+def test_cli_size_refuses_counts_below_their_floor(tmp_path: Path, args: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli_main(["size", "--model-dir", model_dir(tmp_path), "--dram-size", "20GB", *args])
+    assert info.value.code == 2
+    assert args[0] in capsys.readouterr().err
+
+
+def test_cli_size_config_without_a_file_is_refused(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("MMC_LOCAL_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("MMC_META_CONFIG_PATH", raising=False)
+    assert cli_main(["size", "--config"]) == 2
+    assert "MMC_LOCAL_CONFIG_PATH" in capsys.readouterr().err
 
 
 def test_cli_size_from_a_log(tmp_path: Path, capsys) -> None:

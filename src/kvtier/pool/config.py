@@ -92,7 +92,7 @@ _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 
 def _host_port(key: str, value: object, text: str, form: str, source: str, allow_zero: bool) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not _HOST.match(host) or not port.isdigit():
+    if not sep or not host or not _HOST.match(host) or not (port.isascii() and port.isdigit()):
         raise ConfigError(key, value, f"expected {form}", source)
     if _PLACEHOLDER.match(host):
         raise ConfigError(key, value, "a placeholder address: write the master node's IP address here", source)
@@ -578,8 +578,9 @@ def _read_conf(path: str, what: str = "config file") -> dict[str, _Setting]:
         shown = "<hidden>" if "token" in key.lower() else value
         spec = KEYS.get(key)
         if spec is None:
+            # Nor an unknown key's value: it may be a secret under a mistyped key.
             closest = difflib.get_close_matches(key.lower(), KEYS, n=1, cutoff=0.0)  # keys are lower case
-            raise ConfigError(key, shown, f"unknown key; the closest known key is {closest[0]}", source)
+            raise ConfigError(key, "<not shown>", f"unknown key; the closest known key is {closest[0]}", source)
         if key in out:
             raise ConfigError(key, shown, f"given twice in this file (first at {out[key].source})", source)
         out[key] = _Setting(value, source, spec.parse(key, value, source))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +37,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 4096
+HTTP_TIMEOUT_S = 10.0  # an idle or stalled HTTP connection is dropped after this long
+
+
+class _ServerV6(ThreadingHTTPServer):
+    """The same server on an IPv6 address (``http://[::1]:5001``)."""
+
+    address_family = socket.AF_INET6
 
 
 class _PoolCollector:
@@ -113,7 +121,7 @@ def _cluster_metrics(svc: MetaService) -> Iterator[object]:
     if store is not None:
         c = store.counters()
         for name in ("cluster_lookups", "cluster_hits", "cluster_fetched", "cluster_published",
-                     "cluster_publish_failures", "cluster_publish_skipped", "cluster_down"):
+                     "cluster_publish_failures", "cluster_publish_skipped", "cluster_down", "cluster_lost"):
             ev.add_metric([name.removeprefix("cluster_")], c.get(name, 0))
         for cause, name in (("gone", "cluster_gone"), ("corrupt", "cluster_corrupt"),
                             ("transfer_error", "cluster_fetch_errors")):
@@ -154,8 +162,9 @@ def _master_usage(svc: MetaService) -> dict[str, float]:
     import httpx
 
     try:
-        text = httpx.get(f"http://{cfg.master_host}:{cfg.master_metrics_port}/metrics", timeout=0.5).text
-    except httpx.HTTPError:
+        host = f"[{cfg.master_host}]" if ":" in cfg.master_host else cfg.master_host
+        text = httpx.get(f"http://{host}:{cfg.master_metrics_port}/metrics", timeout=0.5).text
+    except (httpx.HTTPError, httpx.InvalidURL):
         return {}
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -196,6 +205,11 @@ class PoolHttp:
         http = self
 
         class Handler(BaseHTTPRequestHandler):
+            # A connection that sends nothing (or less body than it announced)
+            # is dropped after this long instead of holding a thread and a
+            # descriptor for good.
+            timeout = HTTP_TIMEOUT_S
+
             def log_message(self, fmt: str, *args: object) -> None:
                 log.debug("kvtier meta http: " + fmt, *args)
 
@@ -212,14 +226,15 @@ class PoolHttp:
                     return
                 http._dispatch(self, self.rfile.read(n))
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        server_class = _ServerV6 if ":" in host else ThreadingHTTPServer
+        self.server = server_class((host, port), Handler)
         self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.server.serve_forever, name="kvtier-meta-http", daemon=True)
@@ -286,6 +301,8 @@ def _batch_keys(q: dict[str, list[str]], body: bytes | None) -> list[str]:
             doc = json.loads(body)
         except json.JSONDecodeError as err:
             raise ValueError(f"body: not JSON ({err.msg})") from None
+        except RecursionError:
+            raise ValueError("body: JSON nested too deeply") from None
         keys = doc.get("keys") if isinstance(doc, dict) else None
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise ValueError('body: expected {"keys": ["<hex>", ...]}')

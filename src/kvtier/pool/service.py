@@ -73,7 +73,7 @@ def parse_url(url: str) -> tuple[str, str, int]:
         return "unix", path, 0
     if url.startswith("tcp://"):
         host, sep, port = url[len("tcp://"):].rpartition(":")
-        if sep and host and port.isdigit() and 0 <= int(port) < 65536:
+        if sep and host and port.isascii() and port.isdigit() and 0 <= int(port) < 65536:
             return "tcp", host.strip("[]"), int(port)
     raise ConfigError("meta_service_url", url, "expected tcp://HOST:PORT or unix:///PATH")
 

@@ -61,15 +61,28 @@ def from_model_dir(model_dir: str, dtype: str | None = None, tp: int = 1) -> KvS
         raise ConfigError("--model-dir", model_dir, "has no config.json") from None
     except json.JSONDecodeError as err:
         raise ConfigError("--model-dir", path, f"not valid JSON: {err}") from None
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
+    if not isinstance(cfg, dict):
+        raise ConfigError("--model-dir", path, "config.json is not a JSON object")
+    top = cfg
+    text_cfg = cfg.get("text_config")
+    cfg = text_cfg if isinstance(text_cfg, dict) else cfg  # multimodal configs nest the language model's
     try:
         layers = int(cfg["num_hidden_layers"])
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_size = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        head_size = int(cfg.get("head_dim") or cfg["hidden_size"] // heads) if heads > 0 else 0
     except KeyError as err:
         raise ConfigError("--model-dir", path, f"config.json lacks {err.args[0]}") from None
-    name = (dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    except (TypeError, ValueError) as err:
+        raise ConfigError("--model-dir", path, f"config.json: a layer or head count is not a number ({err})") from None
+    for field, value in (("num_hidden_layers", layers), ("num_attention_heads", heads),
+                         ("num_key_value_heads", kv_heads), ("head_dim", head_size)):
+        if value < 1:
+            raise ConfigError("--model-dir", path, f"config.json: {field} is {value}, expected at least 1")
+    # A multimodal config's dtype may be written at its top level only.
+    name = dtype or cfg.get("torch_dtype") or cfg.get("dtype") or top.get("torch_dtype") or top.get("dtype") \
+        or "bfloat16"
+    name = str(name).replace("torch.", "")
     if name not in _DTYPE_BYTES:
         raise ConfigError("--dtype", name, f"unknown; expected one of {', '.join(sorted(_DTYPE_BYTES))}")
     if tp < 1:
