@@ -204,6 +204,17 @@ def test_no_session_starts_before_its_arrival(flaky_url: str, arrival: str) -> N
     assert all(r.start_s >= due[r.session] for r in report.results)
 
 
+def test_a_run_with_no_success_reports_no_latency(flaky_url: str) -> None:
+    """No request succeeded: the latency figures are missing ("-"), never a
+    0 that reads as a measurement."""
+    report = run([Session(["q error"]), Session(["q empty"])], BenchOptions(url=flaky_url, concurrency=2))
+    s = report.summary
+    assert s["succeeded"] == 0 and s["ttft_s"] == {"mean": None, "p50": None, "p90": None, "p99": None}
+    table = markdown([report])
+    assert "| TTFT p50 (ms) | - |" in table and "| E2EL p99 (s) | - |" in table
+    json.dumps(report.to_json(), allow_nan=False)  # strict JSON
+
+
 def test_summary_figures() -> None:
     def ok(i: int, ttft: float, e2e: float, out: int) -> Result:
         return Result(i, 0, True, ttft_s=ttft, e2e_s=e2e, tpot_s=(e2e - ttft) / (out - 1) if out > 1 else 0.0,

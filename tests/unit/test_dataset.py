@@ -115,6 +115,16 @@ def test_synth_options_are_validated_by_name(field: str, value: int) -> None:
         SynthSpec(**{field: value}).validate()
 
 
+def test_a_group_too_large_for_the_tokens_after_its_prefix_is_refused() -> None:
+    """99 % of 100 tokens leaves one token to number a group's requests: two
+    can be told apart, not eight (they would repeat, hitting more than the
+    fraction says)."""
+    SynthSpec(tokens=100, fraction=99, group_size=2).validate()
+    with pytest.raises(ConfigError, match="--group-size .*needs 3 tokens after the shared prefix"):
+        SynthSpec(tokens=100, fraction=99, group_size=8).validate()
+    SynthSpec(tokens=100, fraction=100, group_size=8).validate()  # all shared: identical prompts, as asked
+
+
 def test_cli_synth_writes_qa_and_prefix_files(model_cache_dir, tmp_path: Path) -> None:
     model = build_model("tiny", cache_dir=model_cache_dir)
     rc = cli_main(["dataset", "synth", "--tokenizer", str(model), "--output", str(tmp_path), "--tokens", "100",

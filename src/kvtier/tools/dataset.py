@@ -125,6 +125,16 @@ class SynthSpec:
         for name in ("num_diff_prefix", "group_size", "num_groups"):
             if getattr(self, name) < 1:
                 raise ConfigError("--" + name.replace("_", "-"), getattr(self, name), "must be at least 1")
+        # Each request of a group is told apart by a binary code right after
+        # the prefix; with fewer distinct tokens than the code needs, requests
+        # would repeat (more hits than the fraction says). At 100 % every
+        # prompt is the prefix: identical, as asked.
+        distinct = self.tokens - self.prefix_tokens
+        if 0 < distinct and self.group_size > 2 ** min(16, distinct):
+            need = (self.group_size - 1).bit_length()
+            raise ConfigError("--group-size", self.group_size,
+                              f"needs {need} tokens after the shared prefix to tell its requests apart; "
+                              f"--tokens {self.tokens} at --fraction {self.fraction} leaves {distinct}")
 
     @property
     def prefix_tokens(self) -> int:

@@ -122,9 +122,11 @@ class BenchReport:
         return d
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles of ``values``; None for each with no value (no
+    request succeeded): never a 0 that reads as a measurement."""
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
     a = np.asarray(values, dtype=float)
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
             "p99": float(np.percentile(a, 99))}

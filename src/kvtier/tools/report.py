@@ -15,17 +15,25 @@ from collections.abc import Sequence
 
 from kvtier.tools.loadgen import BenchReport
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 _ROWS = (
     ("requests (ok / failed)", lambda s, h: f"{s['succeeded']} / {s['failed']}"),
     ("errors", lambda s, h: ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "-"),
-    ("TTFT mean (ms)", lambda s, h: f"{s['ttft_s']['mean'] * 1000:.1f}"),
-    ("TTFT p50 (ms)", lambda s, h: f"{s['ttft_s']['p50'] * 1000:.1f}"),
-    ("TTFT p90 (ms)", lambda s, h: f"{s['ttft_s']['p90'] * 1000:.1f}"),
-    ("TTFT p99 (ms)", lambda s, h: f"{s['ttft_s']['p99'] * 1000:.1f}"),
-    ("TPOT mean (ms)", lambda s, h: f"{s['tpot_s']['mean'] * 1000:.1f}"),
-    ("ITL p50 (ms)", lambda s, h: f"{s['itl_s']['p50'] * 1000:.1f}"),
-    ("E2EL mean (s)", lambda s, h: f"{s['e2el_s']['mean']:.2f}"),
-    ("E2EL p99 (s)", lambda s, h: f"{s['e2el_s']['p99']:.2f}"),
+    ("TTFT mean (ms)", lambda s, h: _ms(s["ttft_s"]["mean"])),
+    ("TTFT p50 (ms)", lambda s, h: _ms(s["ttft_s"]["p50"])),
+    ("TTFT p90 (ms)", lambda s, h: _ms(s["ttft_s"]["p90"])),
+    ("TTFT p99 (ms)", lambda s, h: _ms(s["ttft_s"]["p99"])),
+    ("TPOT mean (ms)", lambda s, h: _ms(s["tpot_s"]["mean"])),
+    ("ITL p50 (ms)", lambda s, h: _ms(s["itl_s"]["p50"])),
+    ("E2EL mean (s)", lambda s, h: _s(s["e2el_s"]["mean"])),
+    ("E2EL p99 (s)", lambda s, h: _s(s["e2el_s"]["p99"])),
     ("prompt / cached tokens", lambda s, h: f"{s['prompt_tokens']} / {s['cached_tokens']}"),
     ("output throughput (tok/s)", lambda s, h: f"{s['output_throughput']:.1f}"),
     ("total throughput (tok/s)", lambda s, h: f"{s['total_throughput']:.1f}"),
