@@ -509,6 +509,32 @@ def test_a_hard_link_to_a_loop_devices_backing_file_is_refused(tmp_path: Path,
         SsdTier.open([str(alias)], None, SLOT, io=NoOpenIo())
 
 
+def test_a_loop_devices_file_whose_first_name_was_deleted_is_refused_under_its_other(tmp_path: Path) -> None:
+    """A real loop device on a file, a second name (hard link) made, the
+    first name removed: the kernel shows "<first> (deleted)" as the backing
+    file, and only the device itself (LOOP_GET_STATUS64) says which file it
+    reads. kvtier must not format that file under its other name."""
+    if os.geteuid() != 0 or shutil.which("losetup") is None:
+        pytest.skip("needs root and losetup")
+    first, other = tmp_path / "fs.img", tmp_path / "other-name.img"
+    first.write_bytes(b"\0" * (1 << 20))
+    os.link(first, other)
+    made = subprocess.run(["losetup", "-f", "--show", str(first)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"no loop device: {made.stderr.strip()}")
+    dev = made.stdout.strip()
+    try:
+        first.unlink()
+        with open(f"/sys/block/{os.path.basename(dev)}/loop/backing_file") as f:
+            assert f.read().strip() == f"{first} (deleted)"
+        assert dev in ssd_module.loop_devices_backed_by(str(other))
+        with pytest.raises(ConfigError, match=f"backs loop device .*{dev}"):
+            SsdTier.open([str(other)], None, SLOT, io=NoOpenIo())
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+    assert other.read_bytes() == b"\0" * (1 << 20)  # untouched
+
+
 def test_a_file_backing_a_loop_device_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # /sys/block as the kernel shows it: loop0 detached, loop3 on our file,
     # loop5 on a file that had this path before it was deleted.

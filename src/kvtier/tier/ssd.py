@@ -205,13 +205,45 @@ def loop_devices_backed_by(path: str) -> list[str]:
         if backing == target:  # "<path> (deleted)": the device holds a file since removed, not this one
             out.append(f"/dev/{name}")
             continue
+        if ident is None:
+            continue
         try:
             other = os.stat(backing)
+            if (other.st_dev, other.st_ino) == ident:
+                out.append(f"/dev/{name}")
+                continue
         except OSError:
-            continue
-        if ident is not None and (other.st_dev, other.st_ino) == ident:
+            pass  # "<name> (deleted)": the name is gone, the file may live on under another
+        if _loop_backing_ident(f"/dev/{name}") == ident:
             out.append(f"/dev/{name}")
     return out
+
+
+_LOOP_GET_STATUS64 = 0x4C05
+_LOOP_INFO64 = struct.Struct("=QQQQQIIII64s64s32sQQ")  # struct loop_info64, 232 bytes
+
+
+def _loop_backing_ident(dev_path: str) -> tuple[int, int] | None:
+    """The (st_dev, st_ino) of the file loop device ``dev_path`` reads, from
+    the kernel (LOOP_GET_STATUS64), whatever became of the file's name; None
+    when the device cannot be asked (not attached, no permission)."""
+    try:
+        fd = os.open(dev_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        buf = bytearray(_LOOP_INFO64.size)
+        fcntl.ioctl(fd, _LOOP_GET_STATUS64, buf)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    lo_device, lo_inode = _LOOP_INFO64.unpack_from(buf)[:2]
+    # The kernel's new_encode_dev(); os.makedev() gives the same number for
+    # the same major and minor in the encoding st_dev uses.
+    major = (lo_device & 0xFFF00) >> 8
+    minor = (lo_device & 0xFF) | ((lo_device >> 12) & 0xFFF00)
+    return os.makedev(major, minor), lo_inode
 
 
 def check_exclusive(path: str, st: os.stat_result) -> None:
