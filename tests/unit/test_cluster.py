@@ -215,8 +215,12 @@ def test_master_is_supervised_and_restarted_after_kill(master: MasterSupervisor,
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: master.restarts == 1 and master.pid not in (None, pid), what="the master's restart")
     assert port_open(cluster_cfg.master_host, cluster_cfg.master_port)
+    respawned = master._proc
     master.stop()
     assert not master.running
+    # Stopped as the first one is (SIGTERM: it exits 0), not killed with the
+    # thread that respawned it.
+    assert respawned is not None and respawned.returncode == 0
     wait_for(lambda: not port_open(cluster_cfg.master_host, cluster_cfg.master_port), what="the port to close")
 
 

@@ -136,6 +136,11 @@ class MasterSupervisor:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Set by stop() once the master is gone: the watch thread lives until
+        # then, since a master it respawned is asked to die with it (the
+        # kernel's parent-death signal follows the thread that forked, not
+        # the process), which would SIGKILL it before stop()'s SIGTERM.
+        self._ended = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
@@ -215,6 +220,12 @@ class MasterSupervisor:
         return False
 
     def _watch(self) -> None:
+        try:
+            self._restart_when_gone()
+        finally:
+            self._ended.wait(60)
+
+    def _restart_when_gone(self) -> None:
         backoff = RESTART_FIRST_S
         while not self._stop.is_set():
             p = self._proc
@@ -258,5 +269,6 @@ class MasterSupervisor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self._ended.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
