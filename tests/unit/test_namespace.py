@@ -88,6 +88,64 @@ def test_hf_overrides_change_the_keys_and_a_callable_one_is_named_by_its_code(tm
     assert by_callable == ns(model, model_kw={"hf_overrides": override})
 
 
+@pytest.mark.parametrize("setting", [
+    {"model_kw": {"max_model_len": 4096}},  # LongRoPE picks its rope factors by it
+    {"model_kw": {"quantization_config": {"ignore": ["lm_head"]}}},
+    {"model_kw": {"hf_config_path": "/elsewhere/config"}},
+    {"model_kw": {"config_format": "mistral"}},
+    {"model_kw": {"model_impl": "transformers"}},
+    {"model_kw": {"model_class_overrides": {"LlamaForCausalLM": "my.Model"}}},
+    {"load_kw": {"load_format": "tensorizer", "model_loader_extra_config": {"tensorizer_uri": "s3://x"}}},
+    {"attention": {"flash_attn_version": 3}},
+    {"speculative": {"method": "eagle", "model": "org/draft"}},
+])
+def test_settings_that_change_the_numerics_change_the_keys(tmp_path: Path, setting: dict) -> None:
+    model = make_model_dir(tmp_path)
+    assert ns(model, **setting).seed() != ns(model).seed()
+    assert ns(model, **setting) == ns(model, **setting)
+
+
+def test_random_weights_share_no_block_with_the_model_or_another_run(tmp_path: Path) -> None:
+    model = make_model_dir(tmp_path)
+    dummy = ns(model, load_kw={"load_format": "dummy"})
+    assert dummy.seed() != ns(model).seed()
+    assert dummy.seed() != ns(model, load_kw={"load_format": "dummy"}).seed()
+
+
+def test_every_json_file_beside_the_weights_is_part_of_the_model(tmp_path: Path) -> None:
+    model = make_model_dir(tmp_path)
+    before = ns(model).seed()
+    (Path(model) / "quantize_config.json").write_text('{"bits": 4, "group_size": 128}')
+    assert ns(model).seed() != before
+
+
+def test_the_vllm_and_torch_versions_are_part_of_the_model(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    model = make_model_dir(tmp_path)
+    before = ns(model).seed()
+    monkeypatch.setattr(vllm, "__version__", vllm.__version__ + ".post1")
+    assert ns(model).seed() != before
+
+
+def test_pipeline_stages_splitting_the_layers_differently_never_meet(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm.envs as envs
+
+    model = make_model_dir(tmp_path)
+
+    def stages(split: str) -> KeyNamespace:
+        # The scheduler's KV cache config holds stage 0's layers.
+        monkeypatch.setattr(envs, "VLLM_PP_LAYER_PARTITION", split)
+        return ns(model, kv=kv_cache_config(layers=int(split.split(",")[0])),
+                  parallel={"pipeline_parallel_size": 2}, model_kw={"get_total_num_hidden_layers": lambda: 4})
+
+    one_three, three_one = stages("1,3"), stages("3,1")
+    assert one_three.seed() != three_one.seed() and one_three.fingerprint() != three_one.fingerprint()
+    assert stages("1,3") == one_three
+
+
 def test_the_model_dtype_changes_the_keys(tmp_path: Path) -> None:
     model = make_model_dir(tmp_path)
     bf16 = ns(model, model_kw={"dtype": torch.bfloat16})
@@ -221,20 +279,41 @@ def test_an_adapter_is_keyed_by_its_path_not_its_name_or_load_order(side: Schedu
     assert keys_of(side, "d", None) != first
 
 
+def cacheable(side: SchedulerSide, rid: str, lora: LoRARequest | None) -> bool:
+    return not side._state(_Req(rid, lora)).uncacheable
+
+
 def test_an_adapter_rewritten_in_place_gets_new_keys(side: SchedulerSide, tmp_path: Path) -> None:
     path = make_adapter(tmp_path, "sql", b"s" * 10000)
     before = keys_of(side, "a", LoRARequest("sql", 1, path))
-    make_adapter(tmp_path, "sql", b"t" * 10000)  # load_inplace after a new training run
+    make_adapter(tmp_path, "sql", b"t" * 10000)  # a new training run written over it
     for name in os.listdir(path):  # written later than the first read, not within the same clock tick
         st = os.stat(os.path.join(path, name))
         os.utime(os.path.join(path, name), ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert keys_of(side, "b", LoRARequest("sql", 1, path)) != before
+    # Under the same id vLLM may still compute with the weights it loaded
+    # first (or with the new ones, once reloaded after an eviction): not cached.
+    assert not cacheable(side, "b", LoRARequest("sql", 1, path))
+    # Loaded in place: the new weights for sure, under new keys.
+    after = keys_of(side, "c", LoRARequest("sql", 1, path, load_inplace=True))
+    assert after != before and cacheable(side, "d", LoRARequest("sql", 1, path))
+    assert keys_of(side, "e", LoRARequest("sql", 1, path)) == after
+    # Another id loads the files as they are now.
+    assert keys_of(side, "f", LoRARequest("sql-2", 2, path)) == after
 
 
-def test_a_hub_adapter_is_keyed_by_its_id(side: SchedulerSide) -> None:
+def test_a_hub_adapter_is_pinned_to_its_snapshot_or_to_this_process(side: SchedulerSide, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Not in the cache: this process's own keys, the same for every request of the run.
     a = keys_of(side, "a", LoRARequest("x", 1, "org/adapter-a"))
     assert keys_of(side, "b", LoRARequest("y", 2, "org/adapter-a")) == a
     assert keys_of(side, "c", LoRARequest("x", 1, "org/adapter-b")) != a
+    other_run = SchedulerSide(side.store.store, KeyNamespace("m", "torch.float32", "cpu", BLOCK), BLOCK, ranks=1)
+    assert keys_of(other_run, "a", LoRARequest("x", 1, "org/adapter-a")) != a  # the hub may have moved on
+    # In the cache: pinned to the snapshot, the same in every run.
+    monkeypatch.setenv("HF_HUB_CACHE", hf_cache(tmp_path / "hub", "org/adapter-c", COMMIT_A))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    pinned = keys_of(side, "d", LoRARequest("x", 3, "org/adapter-c"))
+    assert keys_of(other_run, "d", LoRARequest("x", 3, "org/adapter-c")) == pinned
 
 
 def test_namespaces_are_stable_across_processes(tmp_path: Path) -> None:

@@ -51,7 +51,9 @@ def make_model_dir(root: Path, name: str = "model", config: dict | None = None,
 
 def vllm_config(model: str = "/nonexistent/model", *, extra: dict | None = None, policy: str = "recompute",
                 parallel: dict | None = None, cache: dict | None = None, model_kw: dict | None = None,
-                engine_id: str = "test-engine", download_dir: str | None = None) -> SimpleNamespace:
+                engine_id: str = "test-engine", download_dir: str | None = None,
+                load_kw: dict | None = None, attention: dict | None = None,
+                speculative: dict | None = None) -> SimpleNamespace:
     """What KvtierConnector and its build functions read of vLLM's config."""
     model_args = dict(model=model, revision=None, code_revision=None, quantization=None, hf_overrides={},
                       dtype=torch.float32, get_total_num_hidden_layers=lambda: LAYERS)
@@ -64,8 +66,9 @@ def vllm_config(model: str = "/nonexistent/model", *, extra: dict | None = None,
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.connector", kv_role="kv_both",
             kv_load_failure_policy=policy, engine_id=engine_id,
             kv_connector_extra_config=dict(extra or {"dram_size": "8MB"})),
-        attention_config=SimpleNamespace(backend=None),
-        load_config=SimpleNamespace(download_dir=download_dir),
+        attention_config=SimpleNamespace(**{"backend": None, **(attention or {})}),
+        load_config=SimpleNamespace(download_dir=download_dir, **(load_kw or {})),
+        speculative_config=SimpleNamespace(**speculative) if speculative else None,
     )
 
 

@@ -229,8 +229,38 @@ def _local_identity(directory: str) -> str:
     if os.path.isfile(conf):
         with open(conf, "rb") as f:
             ident += "#" + hashlib.sha256(f.read()).hexdigest()[:16]
-    # Weights, and modelling code shipped beside them (trust_remote_code).
-    return ident + "#" + directory_digest(directory, _WEIGHT_SUFFIXES + (".py",), cached=False)
+    # Weights, modelling code shipped beside them (trust_remote_code), and
+    # every JSON file: vLLM reads more configs than config.json (params.json
+    # with the mistral format, quantize_config.json, hf_quant_config.json).
+    return ident + "#" + directory_digest(directory, _WEIGHT_SUFFIXES + (".py", ".json"), cached=False)
+
+
+def _numerics(vllm_config: VllmConfig) -> str:
+    """What else, for the same weights, changes the bytes of K and V (or may:
+    kernels and the code around them): quantization and its per-layer
+    settings, config overrides and the files the config is read from, the
+    model length (LongRoPE-style scaling picks its factors by it), the
+    implementation, how the weights are loaded, the attention settings,
+    the draft model of speculative decoding, and the versions of vLLM and
+    torch (a fixed kernel or rope bug changes the bytes)."""
+    import torch
+    import vllm
+
+    mc = vllm_config.model_config
+    lc = getattr(vllm_config, "load_config", None)
+    sc = getattr(vllm_config, "speculative_config", None)
+    spec = [getattr(sc, "method", None), getattr(sc, "model", None)] if sc is not None else None
+    return (f"|quant={getattr(mc, 'quantization', None)}"
+            f"|qconf={_canonical(getattr(mc, 'quantization_config', None))}"
+            f"|overrides={_canonical(getattr(mc, 'hf_overrides', None))}"
+            f"|hfconf={getattr(mc, 'hf_config_path', None)}|format={getattr(mc, 'config_format', None)}"
+            f"|maxlen={getattr(mc, 'max_model_len', None)}"
+            f"|impl={getattr(mc, 'model_impl', None)}"
+            f"|classes={_canonical(getattr(mc, 'model_class_overrides', None))}"
+            f"|load={getattr(lc, 'load_format', None)}:{_canonical(getattr(lc, 'model_loader_extra_config', None))}"
+            f"|attn={_canonical(getattr(vllm_config, 'attention_config', None))}"
+            f"|spec={_canonical(spec)}"
+            f"|vllm={vllm.__version__}|torch={torch.__version__}")
 
 
 def _model_identity(vllm_config: VllmConfig, cfg: KvtierConfig) -> str:
@@ -248,9 +278,13 @@ def _model_identity(vllm_config: VllmConfig, cfg: KvtierConfig) -> str:
     replaces all of this.
     """
     mc = vllm_config.model_config
-    # What else changes the bytes of K and V for the same weights.
-    extra = (f"|quant={getattr(mc, 'quantization', None)}"
-             f"|overrides={_canonical(getattr(mc, 'hf_overrides', None))}")
+    extra = _numerics(vllm_config)
+    load_format = str(getattr(getattr(vllm_config, "load_config", None), "load_format", "auto"))
+    if load_format.lower().endswith("dummy"):
+        # Random weights (benchmarks): never the model's blocks, nor another run's.
+        log.warning("kvtier: load_format %s (random weights): blocks are shared within this run only",
+                    load_format)
+        return f"{mc.model}#dummy-{uuid.uuid4().hex}" + extra
     if cfg.model_id:
         return cfg.model_id + extra
     model = str(mc.model)
@@ -290,6 +324,15 @@ def _layout_description(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     mla = getattr(spec, "cache_dtype_str", None)
     skip = getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None)
     options = (f"/mla={mla}" if mla else "") + ("/skip=" + ",".join(skip) if skip else "")
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        # Which layers each stage holds: a rank's part of a slot holds its
+        # stage's layers in order, so 1+3 and 3+1 splits of four layers
+        # write different layers at the same place.
+        from vllm.distributed.utils import get_pp_indices
+
+        total = vllm_config.model_config.get_total_num_hidden_layers()
+        options += "/stages=" + ",".join(f"{a}-{b}" for a, b in (get_pp_indices(total, r, pp) for r in range(pp)))
     return (f"{current_platform.device_type}/{getattr(attn, 'name', attn) or 'auto'}/{kernel}/"
             f"{type(spec).__name__}/{quant}{options}/"
             f"{num_layers}x[{spec.num_kv_heads},{spec.block_size},{spec.head_size}+{spec.head_size_v}]"

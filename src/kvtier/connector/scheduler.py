@@ -23,6 +23,7 @@ to the I/O threads at most once per pass (``build_connector_meta`` ends one).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -88,6 +89,12 @@ class SchedulerSide:
         self.block_tokens = block_tokens
         self.ranks = ranks
         self._seed = namespace.seed()
+        # LoRA adapters: (id, path) -> the identity of the files first seen
+        # for it, those changed since, and this process's own value for hub
+        # adapters with no snapshot to pin them to.
+        self._adapters: dict[tuple[Any, str], str] = {}
+        self._changed_adapters: set[tuple[Any, str]] = set()
+        self._nonce = os.urandom(8).hex()
         self._reqs: dict[str, _ReqState] = {}
         self._step = 0
         self._waited_step = -1  # the step counter at the last wait for a promotion
@@ -127,32 +134,64 @@ class SchedulerSide:
             lora = getattr(request, "lora_request", None)
             salt = getattr(request, "cache_salt", None)
             self._now_uncacheable(st)
-            adapter = ""
+            adapter: str | None = ""
             if lora is not None:
-                # An adapter is named by what it is, not by lora_name or
-                # lora_int_id (the id is load order: after a restart it names
-                # another adapter, whose blocks an SSD tier still holds): its
-                # path, plus a digest of its files when that is a local
-                # directory (cached by the files' size and mtime, so a
-                # rewritten adapter gets new keys). A hub id is named by itself.
-                from kvtier.keys import directory_digest
-
-                path = os.path.expanduser(str(getattr(lora, "lora_path", "") or ""))
-                adapter = path
-                try:
-                    if os.path.isdir(path):
-                        adapter = os.path.abspath(path) + "#" + directory_digest(path)
-                except OSError:
-                    path = ""
-                if not path:
-                    # Nothing names this adapter's weights: its KV is never shared.
+                adapter = self._adapter_identity(lora)
+                if adapter is None:
+                    # Nothing names the weights this adapter computes with: its KV is never shared.
                     st.uncacheable = True
             if lora is not None or salt:
                 # Same tokens under another adapter or tenant salt are other KV.
-                tag = f"lora={adapter};salt={salt or ''}"
+                # JSON, so that no adapter path and salt pair reads as another.
+                tag = json.dumps(["lora", adapter or "", salt or ""])
                 st.seed = xxhash.xxh3_128_digest(self._seed + tag.encode())
             self._reqs[request.request_id] = st
         return st
+
+    def _adapter_identity(self, lora: Any) -> str | None:
+        """What names a LoRA adapter's weights, or None when nothing does.
+
+        Not lora_name or lora_int_id (the id is load order: after a restart it
+        names another adapter, whose blocks an SSD tier still holds) but its
+        files: a local directory by its path and a digest of its files
+        (cached by their size and mtime); a hub id by the snapshot in the
+        Hugging Face cache that vLLM loads it from, digested the same way,
+        else by a value unique to this process (the name alone would carry
+        blocks over to an updated adapter). vLLM keeps the weights it loaded
+        first for an id until a request asks ``load_inplace``: an adapter
+        whose files changed under the same id without that may be computing
+        with the old weights or, once reloaded after an eviction, the new
+        ones, so its requests are not cached until it is loaded in place.
+        """
+        from kvtier.connector.connector import _hub_snapshot
+        from kvtier.keys import directory_digest
+
+        raw = str(getattr(lora, "lora_path", "") or "")
+        path = os.path.expanduser(raw)
+        try:
+            if os.path.isdir(path):
+                ident = os.path.abspath(path) + "#" + directory_digest(path)
+            elif raw and not os.path.isabs(path) and not os.path.exists(path):
+                snapshot = _hub_snapshot(raw, None, None)
+                ident = (f"{raw}@{os.path.basename(snapshot)}#{directory_digest(snapshot)}" if snapshot
+                         else f"{raw}#unpinned-{self._nonce}")
+            else:
+                return None
+        except OSError:
+            return None
+        which = (getattr(lora, "lora_int_id", None), raw)
+        first = self._adapters.get(which)
+        if first is None or getattr(lora, "load_inplace", False):
+            self._adapters[which] = ident
+            return ident
+        if first != ident:
+            if which not in self._changed_adapters:
+                self._changed_adapters.add(which)
+                log.warning("kvtier: the files of LoRA adapter %s (id %s) changed while it is loaded; its "
+                            "requests are not cached until a request loads it in place (load_inplace)",
+                            raw, which[0])
+            return None
+        return ident
 
     def _keys(self, st: _ReqState, num_tokens: int) -> list[bytes]:
         """Keys of the full blocks among the request's first ``num_tokens`` tokens."""
