@@ -193,10 +193,15 @@ def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
 # --- page-locked (pinned) host memory for device copies ------------------------
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+# One registration of 512 GiB or more fails whatever the free memory (seen
+# on H200 nodes); the seeds' pools reach 1 TB (128 GB x 8 devices). Regions
+# are registered in parts of at most this size (whole pages; a block copy
+# never needs to span two registrations to be asynchronous).
+PIN_CHUNK_BYTES = 64 << 30
 
 
 class PinnedRegion:
-    """Host memory registered as page-locked with the CUDA driver.
+    """Host memory registered as page-locked with the CUDA driver, in parts.
 
     Made by :func:`pin_host_memory` in a worker process, for the DRAM arena
     that device copies read and write: DMA from pinned memory runs
@@ -206,25 +211,72 @@ class PinnedRegion:
     thread-safe: one worker thread owns it.
     """
 
-    def __init__(self, cudart, ptr: int, size_bytes: int) -> None:
+    def __init__(self, cudart, ptr: int, size_bytes: int, parts: list[int] | None = None) -> None:
         self._cudart = cudart
         self.ptr = ptr
         self.size_bytes = size_bytes
+        self.parts = parts if parts is not None else [ptr]  # the address of each registration
 
     def release(self) -> None:
-        if self._cudart is not None:
-            self._cudart.cudaHostUnregister(self.ptr)
-            self._cudart = None
+        cudart, self._cudart = self._cudart, None
+        if cudart is None:
+            return
+        failed = False
+        for part in self.parts:
+            code = cudart.cudaHostUnregister(part)
+            failed = failed or int(getattr(code, "value", code) or 0) != 0
+        if failed:
+            drain_cuda_errors()
 
 
-def pin_host_memory(ptr: int, size_bytes: int, cudart=None) -> tuple[PinnedRegion | None, str]:
-    """Register ``size_bytes`` at ``ptr`` as page-locked memory: (region, "") or (None, why).
+def drain_cuda_errors(maps_path: str = "/proc/self/maps") -> int:
+    """Consume the error a failed CUDA runtime call left pending on this
+    thread, in every CUDA runtime library mapped into the process; returns
+    how many libraries were asked.
+
+    A failed ``cudaHostRegister`` (torch's binding returns its code and
+    leaves the error set) would otherwise be raised by the next checked
+    CUDA call on vLLM's thread, a kernel launch of the forward pass, as a
+    misleading "CUDA error: out of memory", and the engine would stop.
+    torch's binding has no ``cudaGetLastError``, so each mapped libcudart
+    (a wheel may bundle its own, ``libcudart-<hash>.so.12``, beside the
+    system's) is asked through ctypes; opening one already mapped returns
+    that instance.
+    """
+    import ctypes
+
+    paths: list[str] = []
+    try:
+        with open(maps_path) as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6:
+                    continue
+                path = fields[5].strip().removesuffix(" (deleted)")
+                if "libcudart" in os.path.basename(path) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        return 0
+    for path in paths:
+        try:
+            ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | os.RTLD_LAZY).cudaGetLastError()
+        except (OSError, AttributeError):
+            continue
+    return len(paths)
+
+
+def pin_host_memory(ptr: int, size_bytes: int, cudart=None,
+                    chunk_bytes: int = PIN_CHUNK_BYTES) -> tuple[PinnedRegion | None, str]:
+    """Register ``size_bytes`` at ``ptr`` as page-locked memory, in parts of
+    at most ``chunk_bytes``: (region, "") or (None, why).
 
     ``cudart`` is torch's CUDA runtime binding (``torch.cuda.cudart()``),
     given by tests that stand in for the driver. Registration fails on a
     low ``ulimit -l`` or a container's locked-memory limit, or without a
-    CUDA runtime; the caller then copies through pageable memory (correct,
-    slower, and copies block the caller) and logs the reason once.
+    CUDA runtime; the parts registered are then unregistered, the pending
+    CUDA error is consumed (:func:`drain_cuda_errors`), and the caller
+    copies through pageable memory (correct, slower, and copies block the
+    caller) and logs the reason once.
     """
     if cudart is None:
         try:
@@ -233,15 +285,28 @@ def pin_host_memory(ptr: int, size_bytes: int, cudart=None) -> tuple[PinnedRegio
             cudart = torch.cuda.cudart()
         except Exception as err:  # noqa: BLE001 - no CUDA runtime: nothing to pin for
             return None, f"no CUDA runtime ({err})"
-    try:
-        code = cudart.cudaHostRegister(ptr, size_bytes, _HOST_REGISTER_PORTABLE)
-    except Exception as err:  # noqa: BLE001 - a binding that raises instead of returning a code
-        return None, f"cudaHostRegister raised {err}"
-    code = int(getattr(code, "value", code))
-    if code != 0:
-        return None, (f"cudaHostRegister of {size_bytes} bytes returned error {code} "
-                      f"(locked-memory limit: ulimit -l {_memlock_limit()})")
-    return PinnedRegion(cudart, ptr, size_bytes), ""
+    chunk = max(4096, chunk_bytes // 4096 * 4096)
+    parts: list[int] = []
+    why = ""
+    for start in range(0, size_bytes, chunk):
+        n = min(chunk, size_bytes - start)
+        try:
+            code = cudart.cudaHostRegister(ptr + start, n, _HOST_REGISTER_PORTABLE)
+        except Exception as err:  # noqa: BLE001 - a binding that raises instead of returning a code
+            why = f"cudaHostRegister raised {err}"
+            break
+        code = int(getattr(code, "value", code))
+        if code != 0:
+            why = (f"cudaHostRegister of {n} bytes at offset {start} of {size_bytes} returned error {code} "
+                   f"(locked-memory limit: ulimit -l {_memlock_limit()})")
+            break
+        parts.append(ptr + start)
+    if why:
+        drain_cuda_errors()
+        if parts:
+            PinnedRegion(cudart, ptr, size_bytes, parts).release()
+        return None, why
+    return PinnedRegion(cudart, ptr, size_bytes, parts), ""
 
 
 def _memlock_limit() -> str:

@@ -10,6 +10,8 @@ are real.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.scheduler import SchedulerSide
 from kvtier.connector.worker import WorkerSide
 from kvtier.store import TieredStore
+from kvtier.tier.dram import DramTier, checksum
 from tests.unit.test_scheduler import BLOCK, NS, Manager, Output, Req, StepOutput
 KEY_A, KEY_B, KEY_C = b"a" * 16, b"b" * 16, b"c" * 16
 
@@ -191,3 +194,56 @@ def test_a_step_settled_before_vllm_took_its_report_keeps_its_failures(device_wo
     w.get_block_ids_with_load_errors()
     report = w.build_report()
     assert report.done == {1: 1} and report.failed_slots == [0]
+
+
+def test_a_step_that_only_loads_is_reported_once_its_copies_end(device_worker) -> None:
+    """The report lets the pool unpin the step's slots: while the host-to-device
+    copies may still read them, it is held (a slot reused meanwhile would be
+    copied into vLLM's blocks unchecked)."""
+    w, tier, stream = device_worker
+    tier.clear(2, KEY_C)
+    tier.rank_view(2, 0).zero_()
+    tier.seal(2, KEY_C, 0, checksum(tier.rank_view(2, 0), KEY_C))
+    assert step(w, StepPlan(step=1, arena=tier.path, loads=[BlockCopy(5, 2, KEY_C)])) is None
+    stream.events[0].finished = True
+    assert step(w, StepPlan(step=2, arena=tier.path)).done == {1: 1}
+
+
+def test_saves_queued_into_an_arena_left_behind_are_not_sealed_in_the_next(device_worker, capacity_for,
+                                                                            shm_path) -> None:
+    """A plan naming another arena (a restarted meta service) while a step's
+    saves into the old one are unsettled: they fail, and no slot of the new
+    arena (other blocks) gets this key."""
+    w, old, stream = device_worker
+    new = DramTier.create(shm_path + "-new", capacity_for(8, 4096), 4096)
+    try:
+        assert step(w, StepPlan(step=1, arena=old.path, saves=[BlockCopy(3, 0, KEY_A)])) is None
+        stream.events[0].finished = True
+        report = step(w, StepPlan(step=2, arena=new.path, saves=[BlockCopy(4, 1, KEY_B)]))
+        assert report is not None and report.done == {1: 1} and report.failed_slots == [0]
+        assert not new.is_sealed(0, KEY_A) and not old.is_sealed(0, KEY_A)
+        stream.events[1].finished = True
+        assert step(w, StepPlan(step=3, arena=new.path)).failed_slots == []  # the new arena's own saves hold
+        assert new.verify(1, KEY_B, 0)
+    finally:
+        w._close_arena()
+        new.close()
+        if os.path.exists(shm_path + "-new"):
+            os.unlink(shm_path + "-new")
+
+
+def test_with_microbatches_a_steps_saves_are_queued_after_the_forward(make_tier, capacity_for) -> None:
+    """Dual-batch overlap runs a layer's attention once per microbatch, each
+    followed by save_kv_layer: the first call comes before the second
+    microbatch wrote the layer, so nothing is queued until wait_for_save."""
+    tier = make_tier(capacity_for(8, 4096), 4096)
+    w = WorkerSide(rank=0, num_blocks=16, saves_per_layer=False)
+    w.register_kv_caches({f"l{i}": torch.randn(16, 2, BLOCK, 8) for i in range(2)})
+    w._copies = stream = Stream()
+    plan = StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)])
+    w.start_load_kv(plan)
+    for name in ("l0", "l1"):
+        w.save_kv_layer(name, plan)
+        assert stream.saved_layers == []
+    w.wait_for_save(plan)
+    assert stream.saved_layers == [0, 1]

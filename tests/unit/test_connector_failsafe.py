@@ -141,10 +141,13 @@ class RichRequest(FakeRequest):
     prompt_embeds: object | None = None
 
 
-def test_lora_and_cache_salt_give_other_keys_than_the_plain_prompt(side: SchedulerSide) -> None:
+def test_lora_and_cache_salt_give_other_keys_than_the_plain_prompt(side: SchedulerSide, tmp_path) -> None:
     tokens = list(range(3 * BLOCK + 1))
     plain = side._keys(side._state(RichRequest("p", tokens)), 3 * BLOCK)
-    sql, chat = FakeLora("sql", 1, "/adapters/sql"), FakeLora("chat", 2, "/adapters/chat")
+    for name in ("sql", "chat"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_model.safetensors").write_bytes(name.encode() * 100)
+    sql, chat = FakeLora("sql", 1, str(tmp_path / "sql")), FakeLora("chat", 2, str(tmp_path / "chat"))
     lora = side._keys(side._state(RichRequest("l", tokens, lora_request=sql)), 3 * BLOCK)
     lora2 = side._keys(side._state(RichRequest("l2", tokens, lora_request=chat)), 3 * BLOCK)
     salted = side._keys(side._state(RichRequest("s", tokens, cache_salt="tenant-a")), 3 * BLOCK)

@@ -148,3 +148,61 @@ def test_without_a_cuda_runtime_nothing_is_pinned() -> None:
         pytest.skip("a CUDA runtime is present")
     region, why = pin_host_memory(0x7F0000000000, 4096)
     assert region is None and why.startswith("no CUDA runtime")
+
+
+class _PartlyFull(_Driver):
+    """Registers ``room`` parts, then answers cudaErrorMemoryAllocation."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        if len(self.registered) >= self.room:
+            return 2
+        return super().cudaHostRegister(ptr, size, flags)
+
+
+def test_a_large_region_is_pinned_in_parts_and_released_part_by_part() -> None:
+    """One registration of 512 GiB or more fails whatever the free memory;
+    the seeds' node pools reach 1 TB."""
+    from kvtier.hostmem import PIN_CHUNK_BYTES, pin_host_memory
+
+    base, size = 0x7F0000000000, 3 * PIN_CHUNK_BYTES + 8192
+    driver = _Driver()
+    region, why = pin_host_memory(base, size, cudart=driver)
+    assert region is not None and why == ""
+    assert driver.registered == [(base, PIN_CHUNK_BYTES, 1), (base + PIN_CHUNK_BYTES, PIN_CHUNK_BYTES, 1),
+                                 (base + 2 * PIN_CHUNK_BYTES, PIN_CHUNK_BYTES, 1),
+                                 (base + 3 * PIN_CHUNK_BYTES, 8192, 1)]
+    region.release()
+    assert driver.unregistered == [p for p, _, _ in driver.registered]
+
+
+def test_a_part_refused_unpins_the_others_and_consumes_the_cuda_error(monkeypatch) -> None:
+    """The pending error of a failed registration is consumed: left set, the
+    next kernel launch of the forward pass raises it and the engine stops."""
+    from kvtier import hostmem
+
+    drained = []
+    monkeypatch.setattr(hostmem, "drain_cuda_errors", lambda: drained.append(1) or 1)
+    driver = _PartlyFull(room=2)
+    region, why = hostmem.pin_host_memory(0x7F0000000000, 5 << 20, cudart=driver, chunk_bytes=1 << 20)
+    assert region is None and "error 2" in why and "offset 2097152" in why
+    assert driver.unregistered == [p for p, _, _ in driver.registered] and len(driver.registered) == 2
+    assert drained == [1]
+
+
+def test_every_mapped_cuda_runtime_is_asked_once(tmp_path) -> None:
+    from kvtier.hostmem import drain_cuda_errors
+
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f10 r-xp 00000000 fd:00 1 /usr/lib/libcudart.so.12\n"
+        "7f10-7f20 r--p 00010000 fd:00 1 /usr/lib/libcudart.so.12\n"
+        "7f20-7f30 r-xp 00000000 fd:00 2 /venv/torch/lib/libcudart-9335f6a2.so.12 (deleted)\n"
+        "7f30-7f40 r-xp 00000000 fd:00 3 /usr/lib/libc.so.6\n"
+        "7f40-7f50 rw-p 00000000 00:00 0\n")
+    # Neither library is loaded here: each is tried once (RTLD_NOLOAD) and skipped.
+    assert drain_cuda_errors(str(maps)) == 2
+    assert drain_cuda_errors(str(tmp_path / "missing")) == 0

@@ -442,7 +442,11 @@ def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     groups = kv_cache_config.kv_cache_groups
     # vLLM's tokens per block: lets the worker recognise blocks split into kernel blocks.
     block_tokens = groups[0].kv_cache_spec.block_size if len(groups) == 1 else None
-    return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums, block_tokens=block_tokens)
+    # Microbatches (dual-batch overlap) each run a layer's attention and call
+    # save_kv_layer in turn: saves are then queued after the whole forward.
+    ubatching = bool(getattr(vllm_config.parallel_config, "use_ubatching", False))
+    return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums, block_tokens=block_tokens,
+                      saves_per_layer=not ubatching)
 
 
 def worker_rank_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int) -> int | None:
@@ -667,7 +671,11 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
-        return self._worker.get_block_ids_with_load_errors()
+        try:
+            return self._worker.get_block_ids_with_load_errors()
+        except Exception:  # noqa: BLE001 - in doubt, every block the step loaded is recomputed
+            log.exception("kvtier: collecting load errors failed; the step's loads count as failed")
+            return set(self._worker.step_load_block_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Only requests the scheduler delayed (device copies) are reported;
@@ -683,7 +691,13 @@ class KvtierConnector(KVConnectorBase_V1):
             return self._worker.release_delayed() or None, None
 
     def build_connector_worker_meta(self) -> Any:
-        return self._worker.build_report() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        try:
+            return self._worker.build_report()
+        except Exception:  # noqa: BLE001 - a lost report is settled by a later one; slots left unsealed are misses
+            log.exception("kvtier: building the step's report failed")
+            return None
 
     # --- both -------------------------------------------------------------
 

@@ -177,7 +177,10 @@ def _copy_blocks(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Se
     copy, and one DMA with no temporary); another in its view's order.
     """
     nbytes = layout.layer_block_bytes
-    non_blocking = layers[0].device.type != "cpu"
+    # Asynchronous only where StreamCopies waits for the copies (CUDA): on
+    # another accelerator a non-blocking copy could still run when the slot
+    # is sealed.
+    non_blocking = layers[0].device.type == "cuda"
     for i, bm in enumerate(layers):
         shape = (-1,) if layout.dense_blocks else bm.shape[1:]
         for b, s in zip(block_ids, slot_ids):

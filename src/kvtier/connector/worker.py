@@ -87,13 +87,21 @@ class _HeldStep:
     failed: bool = False  # the saves must not be published
     failed_slots: list[int] = field(default_factory=list)  # settled as failed, for the report
     registered: bool = False  # wait_for_save ran for this step
+    arena: str = ""  # the arena its saves were copied into (sealed only there)
     started_s: float = 0.0
 
 
 class WorkerSide:
     def __init__(self, rank: int, num_blocks: int, verify_checksums: bool = True,
-                 kind: LayoutKind | None = None, block_tokens: int | None = None) -> None:
+                 kind: LayoutKind | None = None, block_tokens: int | None = None,
+                 saves_per_layer: bool = True) -> None:
         self.rank = rank
+        # Device copies: queue a layer's saves as vLLM announces the layer
+        # written (save_kv_layer). Not with microbatches: the first one's
+        # call comes before the second has written the layer.
+        self.saves_per_layer = saves_per_layer
+        self._loaded_step = -1  # the last step whose loads were queued on the device
+        self.step_load_block_ids: list[int] = []  # the blocks the current step loads into
         self.num_blocks = num_blocks
         self.block_tokens = block_tokens
         self.verify_checksums = verify_checksums
@@ -205,6 +213,7 @@ class WorkerSide:
         self._report = StepReport(done={plan.step: 1}) if (plan.loads or plan.saves) else None
         self._last_report = None
         self._step_load_failed = False
+        self.step_load_block_ids = [c.block_id for c in plan.loads]
         self._delayed.update(plan.delayed)
         if self._copies is not None:
             self._begin_device_step(plan)
@@ -234,6 +243,7 @@ class WorkerSide:
             if self._copies is not None:
                 self._copies.load(self._layers, self.layout, [c.block_id for c in good], self._slots,
                                   [c.slot for c in good])
+                self._loaded_step = plan.step
             elif checked:
                 # CPU: each block's checksum right after its copy, from the
                 # cache (scatter_checked); a block that fails is a load error
@@ -351,13 +361,13 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str, plan: StepPlan) -> None:
         """Queue the device-to-host copies of one layer's saves (device copies only)."""
-        if self._copies is None or not plan.saves:
+        if self._copies is None or not plan.saves or not self.saves_per_layer:
             return
         index = self._layer_index.get(layer_name)
         self._saving_step(plan.step)
         if index is None or index in self._saved_layers or not self._attach(plan.arena):
             return
-        self._held_step(plan.step)  # the step's slots are now being written
+        self._held_step(plan.step).arena = plan.arena  # the step's slots are now being written
         self._copies.save_layer(index, self._layers[index], self.layout, [c.block_id for c in plan.saves],
                                 self._slots, [c.slot for c in plan.saves])
         self._saved_layers.add(index)
@@ -419,6 +429,10 @@ class WorkerSide:
                 # some): nothing to wait for but the steps before it.
                 held = self._held_step(step)
                 held.registered = True
+                if step == self._loaded_step and self._copies is not None:
+                    # Its loads still read their slots: the report (which
+                    # lets the pool unpin them) waits for the copies.
+                    held.done = self._copies.end_saves()
             held.report = report
         return self._release()
 
@@ -457,7 +471,9 @@ class WorkerSide:
         held.saves = list(plan.saves)
         held.registered = True
         self._join_verification()  # the step's load errors must be known before anything is published
-        held.failed = self._step_load_failed or bool(self._load_errors) or not self._attach(plan.arena)
+        held.failed = (held.failed or self._step_load_failed or bool(self._load_errors)
+                       or not self._attach(plan.arena))
+        held.arena = plan.arena
         if not held.failed:
             try:
                 # Layers vLLM did not announce through save_kv_layer.
@@ -485,7 +501,9 @@ class WorkerSide:
         held.done = None
         if not held.saves:
             return True
-        if held.failed or self._tier is None:
+        if held.failed or self._tier is None or self._tier.path != held.arena:
+            # (Another arena mapped since, after a restarted meta service:
+            # its slots are other blocks.)
             held.failed_slots.extend(c.slot for c in held.saves)
             self._stats.add("save_errors", len(held.saves))
             held.saves = []
