@@ -1,14 +1,16 @@
 """kvtier.keys: golden vectors and the properties of chained block keys.
 
-The literals below pin the v2 encoding. If this test fails, every key in
-every existing pool has changed: bump the namespace tag (``kvtier-ns-v2``)
+The literals below pin the v3 encoding. If this test fails, every key in
+every existing pool has changed: bump the namespace tag (``kvtier-ns-v3``)
 instead of updating the literals. (v1 -> v2, issue 7: the namespace gained
-``cache_dtype`` and ``model_dtype``, so every v1 key changed on purpose.)
+``cache_dtype`` and ``model_dtype``; v2 -> v3: SHA-256 in place of xxh3,
+which a tenant could collide on purpose; every key changed on purpose.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
@@ -22,10 +24,10 @@ from kvtier.keys import KEY_BYTES, KeyNamespace, block_keys
 NS = KeyNamespace(model="m", dtype="torch.bfloat16", layout="cpu", block_tokens=4)
 TOKENS = list(range(10))
 
-GOLDEN_SEED = "7417e69960a29e1f5250e545f0b4e574"
+GOLDEN_SEED = "e93edd4e651a3c06692988184fa63803"
 GOLDEN_KEYS = [
-    "9fd3b347b2b4d4eb865b105ff3c2a0d7",
-    "c9dd9faa530bb20dd08a603a4c0a88e5",
+    "29aa19c86990671051223031561f3373",
+    "73e31530c9dde1518fed582642fe2bff",
 ]
 GOLDEN_FINGERPRINT = "ab520615b4194a24383b91ce2b6331a2"
 
@@ -38,15 +40,15 @@ def test_golden_vectors() -> None:
 
 
 def test_golden_vectors_follow_documented_encoding() -> None:
-    """Rebuild the keys from the module docstring's recipe with xxhash alone."""
+    """Rebuild the keys from the module docstring's recipe with hashlib alone."""
     ns_bytes = (b'{"block_tokens":4,"cache_dtype":"auto","dtype":"torch.bfloat16","layout":"cpu","model":"m",'
                 b'"model_dtype":"","pp_rank":0,"pp_size":1,"tp_size":1}')
     assert NS.encode() == ns_bytes
-    prev = xxhash.xxh3_128_digest(b"kvtier-ns-v2\0" + ns_bytes)
+    prev = hashlib.sha256(b"kvtier-ns-v3\0" + ns_bytes).digest()[:16]
     expected = []
     for b in range(2):
         raw = b"".join(t.to_bytes(4, "little", signed=True) for t in TOKENS[b * 4 : b * 4 + 4])
-        prev = xxhash.xxh3_128_digest(prev + raw)
+        prev = hashlib.sha256(prev + raw).digest()[:16]
         expected.append(prev.hex())
     assert expected == GOLDEN_KEYS
 

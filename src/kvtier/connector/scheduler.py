@@ -28,7 +28,6 @@ import logging
 import os
 import time
 
-import xxhash
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import GAUGES, KvtierStats
-from kvtier.keys import KeyNamespace, block_keys
+from kvtier.keys import KeyNamespace, block_keys, digest16
 from kvtier.placement import EmbeddedPlacement, Placement
 from kvtier.store import TieredStore
 
@@ -144,7 +143,7 @@ class SchedulerSide:
                 # Same tokens under another adapter or tenant salt are other KV.
                 # JSON, so that no adapter path and salt pair reads as another.
                 tag = json.dumps(["lora", adapter or "", salt or ""])
-                st.seed = xxhash.xxh3_128_digest(self._seed + tag.encode())
+                st.seed = digest16(self._seed + tag.encode())
             self._reqs[request.request_id] = st
         return st
 
@@ -469,7 +468,7 @@ class SchedulerSide:
         running was computed before the reset and is saved no more.
         """
         n = self.store.reset()
-        self._seed = xxhash.xxh3_128_digest(self._seed + os.urandom(8))
+        self._seed = digest16(self._seed + os.urandom(8))
         self._reqs.clear()
         return n
 
