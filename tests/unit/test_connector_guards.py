@@ -111,13 +111,30 @@ def test_keys_the_workers_found_corrupt_are_forgotten(side: SchedulerSide) -> No
     assert side.store.lookup(keys) == 1
 
 
-def test_a_step_reported_by_fewer_than_all_ranks_publishes_nothing(side: SchedulerSide) -> None:
+def test_a_step_is_readable_once_every_rank_reported_it_whatever_the_outputs(side: SchedulerSide) -> None:
+    """On a device each rank reports a step when its own copies end: the two
+    ranks' reports may come in different outputs. Nothing is readable
+    before the second; nothing is dropped because they were apart."""
     req = FakeRequest("r", list(range(3 * BLOCK + 1)))
     plan = prefill(side, req, [1, 2, 3, 4])
     assert len(plan.saves) == 3
+    keys = side._reqs["r"].keys
     side.update_connector_output(StepOutput(StepReport(done={plan.step: 1})))  # one rank of two
-    assert side.store.lookup(side._reqs["r"].keys) == 0
-    assert side.store.statistics().used_slots == 0
+    assert side.store.lookup(keys) == 0
+    assert side._settled_step < plan.step  # a finished request's blocks stay held meanwhile
+    side.update_connector_output(StepOutput(None))  # a step's output with no report
+    side.update_connector_output(StepOutput(StepReport(done={plan.step: 1})))  # the other rank
+    assert side.store.lookup(keys) == 3 and side._settled_step == plan.step
+
+
+def test_a_slot_one_rank_failed_stays_failed_when_the_other_reports_later(side: SchedulerSide) -> None:
+    req = FakeRequest("r", list(range(3 * BLOCK + 1)))
+    plan = prefill(side, req, [1, 2, 3, 4])
+    keys = side._reqs["r"].keys
+    side.update_connector_output(StepOutput(StepReport(done={plan.step: 1}, failed_slots=[plan.saves[1].slot])))
+    side.update_connector_output(StepOutput(StepReport(done={plan.step: 1, plan.step + 1: 2})))
+    assert side.store.lookup(keys) == 1  # the block after the failed one is not reachable either
+    assert not side.store.contains(keys[1]) and side.store.contains(keys[2])
 
 
 def test_saves_planned_after_a_failed_load_never_become_readable(side: SchedulerSide) -> None:

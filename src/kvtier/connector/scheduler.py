@@ -75,6 +75,10 @@ class SchedulerSide:
         # saves are reported done. False on CPU, where saves are synchronous.
         self.async_saves = async_saves
         self._settled_step = -1  # every step up to this one is reported done by all ranks
+        # Steps some ranks have reported (how many), and the failed slots of
+        # the reports that came with them, until the other ranks' arrive.
+        self._partial: dict[int, int] = {}
+        self._partial_failed: set[int] = set()
         self._delayed: dict[str, int] = {}  # request -> last save step, for the next plan
         self.promote_poll_s = 0.001
         # With nothing else scheduled, a wait holds up no one: it can be
@@ -423,15 +427,28 @@ class SchedulerSide:
                 last_done = max(report.done)
                 for step in [s for s in self._rewind if s <= last_done]:
                     del self._rewind[step]
+            if report.failed_slots and self._partial:
+                self._partial_failed.update(report.failed_slots)
             for step, n in sorted(report.done.items()):
+                # Each rank reports a step once its own copies are done (on a
+                # device, when its event completes): ranks may report one
+                # step in different outputs. It is settled once all have.
+                total = self._partial.pop(step, 0) + n
+                if total < self.ranks:
+                    self._partial[step] = total
+                    self._partial_failed.update(report.failed_slots)
+                    continue
                 self._settled_step = max(self._settled_step, step)
-                if n >= self.ranks:
-                    self.store.complete_step(step, failed_slots=report.failed_slots)
-                else:
-                    # Not every rank finished: nothing of that step may be read.
-                    log.warning("kvtier: step %d reported by %d of %d ranks; dropping its saves", step, n,
-                                self.ranks)
-                    self.store.complete_step(step, all_failed=True)
+                failed = report.failed_slots
+                if self._partial_failed:
+                    failed = sorted(self._partial_failed.union(failed))
+                # Every rank has finished the steps before this one too
+                # (reports go in step order): complete_step settles them.
+                for earlier in [s for s in self._partial if s < step]:
+                    del self._partial[earlier]
+                if not self._partial:
+                    self._partial_failed.clear()
+                self.store.complete_step(step, failed_slots=failed)
             if report.corrupt_keys:
                 # After complete_step, so that the step's own pins no longer hold them.
                 self.store.discard(report.corrupt_keys)
