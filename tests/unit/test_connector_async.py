@@ -247,3 +247,37 @@ def test_with_microbatches_a_steps_saves_are_queued_after_the_forward(make_tier,
         assert stream.saved_layers == []
     w.wait_for_save(plan)
     assert stream.saved_layers == [0, 1]
+
+
+def test_the_arena_is_pinned_beside_the_step_and_released_after_it(device_worker, monkeypatch) -> None:
+    """Registering a large arena takes about 0.1 s a GB: on a thread of its
+    own, while the first step's copies go through pageable memory; the
+    mapping is released only once the registration has ended."""
+    import threading
+
+    from kvtier.connector import worker as worker_module
+
+    w, tier, stream = device_worker
+    may_finish, calls, released = threading.Event(), [], []
+
+    class Region:
+        def release(self) -> None:
+            released.append(True)
+
+    def slow_pin(ptr: int, size: int):
+        calls.append((ptr, size))
+        may_finish.wait(30)
+        return Region(), ""
+
+    monkeypatch.setattr(worker_module, "pin_host_memory", slow_pin)
+    plan = StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)])
+    assert step(w, plan) is None  # the step ran while the registration is under way
+    assert stream.saved_layers == [0, 1] and w._pinned is None
+    assert calls == [(w._tier._slots.data_ptr(), w._tier._slots.numel())]  # the worker's own mapping
+    closer = threading.Thread(target=w._close_arena)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive() and not released  # waits for the registration before unmapping
+    may_finish.set()
+    closer.join(30)
+    assert not closer.is_alive() and released == [True] and w._tier is None

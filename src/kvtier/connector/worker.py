@@ -51,6 +51,7 @@ Errors never escape into vLLM: they become misses.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -110,6 +111,7 @@ class WorkerSide:
         self.inert_reason = ""  # why this worker copies nothing ("" when it works)
         self._copies: StreamCopies | None = None  # device copies; None on CPU
         self._pinned: PinnedRegion | None = None
+        self._pinning: threading.Thread | None = None  # registering the arena as page-locked
         self._layer_index: dict[str, int] = {}
         self._saved_layers: set[int] = set()  # layers whose saves of step _saved_step are queued
         self._saved_step = -1
@@ -189,17 +191,37 @@ class WorkerSide:
         return True
 
     def _pin(self, tier: DramTier) -> None:
+        """Register the arena as page-locked on a thread of its own: about 0.1 s
+        a GB (a 160 GB node pool: 16 s), which on vLLM's thread would hold
+        up the step that first maps the arena. Copies meanwhile go through
+        pageable memory (correct, slower); a refusal's pending CUDA error
+        stays on that thread, never on vLLM's."""
         data = tier._slots
-        self._pinned, why = pin_host_memory(data.data_ptr(), data.numel())
-        if self._pinned is None:
-            log.warning("kvtier: the DRAM arena %s stays pageable (%s): device copies go through the "
-                        "driver's bounce buffer and block vLLM's thread", tier.path, why)
+        device = self._layers[0].device if self._layers else None
+        ptr, size = data.data_ptr(), data.numel()
+
+        def pin() -> None:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)  # else the runtime would open a context on device 0
+            region, why = pin_host_memory(ptr, size)
+            if region is None:
+                log.warning("kvtier: the DRAM arena %s stays pageable (%s): device copies go through the "
+                            "driver's bounce buffer and block vLLM's thread", tier.path, why)
+            else:
+                log.info("kvtier: the DRAM arena %s (%d MiB) is page-locked", tier.path, size >> 20)
+            self._pinned = region
+
+        self._pinning = threading.Thread(target=pin, name="kvtier-pin", daemon=True)
+        self._pinning.start()
 
     def _close_arena(self) -> None:
         if self._tier is None:
             return
         if self._copies is not None:
             self._copies.close()  # no copy may touch the mapping once it is gone
+        if self._pinning is not None:
+            self._pinning.join()  # the registration must end before the memory is unmapped
+            self._pinning = None
         if self._pinned is not None:
             self._pinned.release()
             self._pinned = None
