@@ -427,6 +427,10 @@ class ClusterMover(_Jobs):
     def up(self) -> bool:
         return self._up
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def close(self) -> None:
         self._closed.set()
         self._wake.set()
@@ -474,6 +478,11 @@ class ClusterMover(_Jobs):
             if ok:
                 if not self._up:
                     log.info("kvtier cluster: reachable; lookups and publishing on")
+                    with self._lock:
+                        self._up = True
+                        # Publishing may go on: a resync planned while down
+                        # (the mark put again before the cluster counted as up).
+                        self._host._publishing_ended_locked()
                 self._up = True
                 wait = CLUSTER_RETRY_FIRST_S
                 period = 1.0

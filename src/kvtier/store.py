@@ -224,7 +224,8 @@ class TieredStore:
                  io_threads: int = 4, demote_queue_blocks: int = 256,
                  recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]] = (),
                  cluster: RemoteTier | None = None, publish_on_evict: bool = False,
-                 cluster_timeout_s: float = 2.0, cluster_lookup_blocks: int = 256) -> None:
+                 cluster_timeout_s: float = 2.0, cluster_lookup_blocks: int = 256,
+                 cluster_queue_blocks: int = 1024) -> None:
         self.tier = tier
         self._policy = policy if policy is not None else LruPolicy()
         self._entries: dict[bytes, _Entry] = {}
@@ -281,8 +282,8 @@ class TieredStore:
         # Write-through: READY blocks to publish again since the cluster lost
         # them (a new epoch), hottest first, as the publishing room allows.
         self._resync: collections.deque[bytes] = collections.deque()
-        self._cluster = ClusterMover(self, self._lock, self._c, tier, cluster, timeout_s=cluster_timeout_s) \
-            if cluster is not None else None
+        self._cluster = ClusterMover(self, self._lock, self._c, tier, cluster, timeout_s=cluster_timeout_s,
+                                     queue_blocks=cluster_queue_blocks) if cluster is not None else None
 
     def _adopt(self, recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]]) -> None:
         # Written twice (a newer copy elsewhere before a crash): the newest
@@ -1103,6 +1104,8 @@ class TieredStore:
         """Hand READY ``keys`` to the cluster tier, each pinned until its put
         ends; past the mover's room they are skipped (counted)."""
         assert self._cluster is not None
+        if self._cluster.closed:
+            return
         room = self._cluster.room()
         jobs = []
         for key in keys:
@@ -1110,6 +1113,11 @@ class TieredStore:
             if e is None or e.state is not EntryState.READY or e.doomed or self._in_cluster(e):
                 continue
             if room <= 0:
+                if self._resync and self._cluster.up:
+                    # A resync holds the room: a fresh save goes first in its
+                    # line instead of never reaching the cluster.
+                    self._resync.appendleft(key)
+                    continue
                 self._c.cluster_publish_skipped += 1
                 continue
             room -= 1
@@ -1135,6 +1143,9 @@ class TieredStore:
 
     def _publishing_ended_locked(self) -> None:
         if not self._resync or self._cluster is None:
+            return
+        if self._cluster.closed:
+            self._resync.clear()
             return
         room = self._cluster.room()
         batch: list[bytes] = []

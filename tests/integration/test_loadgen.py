@@ -116,7 +116,11 @@ def test_hit_rates_across_a_server_restart() -> None:
     h = hit_rates(before, after)
     assert h.queries == 1000 and h.h1 == 0.0 and h.h2 == pytest.approx(0.9)
     assert h.external_tokens == 900
-    # Without a restart, a falling gauge is no reset.
+    # Without a restart, a falling gauge is no reset, even one named like a counter.
+    after["kvtier_dram_slots_total"], before["kvtier_dram_slots_total"] = 512.0, 1024.0
+    assert hit_rates({**before, "vllm:prefix_cache_queries_total": 500.0, "vllm:prefix_cache_hits_total": 0.0,
+                      "vllm:external_prefix_cache_queries_total": 0.0,
+                      "vllm:external_prefix_cache_hits_total": 0.0}, after).queries == 500
     later = {**after, "vllm:prefix_cache_queries_total": 1500.0, "vllm:prefix_cache_hits_total": 100.0,
              "vllm:num_requests_running": 5.0}
     assert hit_rates(after, later).queries == 500 and hit_rates(after, later).h1 == pytest.approx(0.2)

@@ -281,3 +281,24 @@ def test_the_arena_is_pinned_beside_the_step_and_released_after_it(device_worker
     may_finish.set()
     closer.join(30)
     assert not closer.is_alive() and released == [True] and w._tier is None
+
+
+def test_with_microbatches_a_failed_load_still_holds_the_report_until_the_copies_end(make_tier,
+                                                                                    capacity_for) -> None:
+    """A step with a load that failed queues none of its saves; its other
+    loads are still being copied from their slots: the report (which lets
+    the pool unpin them) waits for the copies all the same."""
+    tier = make_tier(capacity_for(8, 4096), 4096)
+    w = WorkerSide(rank=0, num_blocks=16, saves_per_layer=False)
+    w.register_kv_caches({f"l{i}": torch.randn(16, 2, BLOCK, 8) for i in range(2)})
+    w._copies = stream = Stream()
+    tier.rank_view(1, 0).zero_()
+    tier.seal(1, KEY_B, 0, checksum(tier.rank_view(1, 0), KEY_B))  # a good block
+    tier.clear(2, KEY_C)  # published for KEY_C, never sealed: its load fails
+    plan = StepPlan(step=1, arena=tier.path, loads=[BlockCopy(4, 1, KEY_B), BlockCopy(5, 2, KEY_C)],
+                    saves=[BlockCopy(3, 0, KEY_A)])
+    assert step(w, plan) is None
+    assert stream.saved_layers == []  # the failed load: nothing of the step is saved
+    stream.events[-1].finished = True
+    report = step(w, StepPlan(step=2, arena=tier.path))
+    assert report.done == {1: 1} and report.failed_slots == [0]

@@ -89,7 +89,7 @@ def test_hf_overrides_change_the_keys_and_a_callable_one_is_named_by_its_code(tm
 
 
 @pytest.mark.parametrize("setting", [
-    {"model_kw": {"max_model_len": 4096}},  # LongRoPE picks its rope factors by it
+    {"model_kw": {"original_max_model_len": 4096}},  # LongRoPE picks its rope factors by it
     {"model_kw": {"quantization_config": {"ignore": ["lm_head"]}}},
     {"model_kw": {"hf_config_path": "/elsewhere/config"}},
     {"model_kw": {"config_format": "mistral"}},
@@ -103,6 +103,17 @@ def test_settings_that_change_the_numerics_change_the_keys(tmp_path: Path, setti
     model = make_model_dir(tmp_path)
     assert ns(model, **setting).seed() != ns(model).seed()
     assert ns(model, **setting) == ns(model, **setting)
+
+
+def test_the_model_length_is_the_one_asked_for_not_the_one_memory_left(tmp_path: Path) -> None:
+    """With --max-model-len auto vLLM shrinks max_model_len in place to fit
+    the free memory, after the model was built: two identical instances (or
+    one after a restart) must keep one namespace."""
+    model = make_model_dir(tmp_path)
+    a = ns(model, model_kw={"original_max_model_len": -1, "max_model_len": 30000})
+    b = ns(model, model_kw={"original_max_model_len": -1, "max_model_len": 28000})
+    assert a.seed() == b.seed()
+    assert a.seed() != ns(model, model_kw={"original_max_model_len": 8192, "max_model_len": 8192}).seed()
 
 
 def test_random_weights_share_no_block_with_the_model_or_another_run(tmp_path: Path) -> None:
@@ -309,8 +320,12 @@ def test_a_hub_adapter_is_pinned_to_its_snapshot_or_to_this_process(side: Schedu
     assert keys_of(side, "c", LoRARequest("x", 1, "org/adapter-b")) != a
     other_run = SchedulerSide(side.store.store, KeyNamespace("m", "torch.float32", "cpu", BLOCK), BLOCK, ranks=1)
     assert keys_of(other_run, "a", LoRARequest("x", 1, "org/adapter-a")) != a  # the hub may have moved on
-    # In the cache: pinned to the snapshot, the same in every run.
-    monkeypatch.setenv("HF_HUB_CACHE", hf_cache(tmp_path / "hub", "org/adapter-c", COMMIT_A))
+    # In the cache (an adapter's repository: adapter_config.json, no
+    # config.json): pinned to the snapshot, the same in every run.
+    repo = tmp_path / "hub" / "models--org--adapter-c"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT_A)
+    make_adapter(repo / "snapshots", COMMIT_A, b"a" * 10000)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     pinned = keys_of(side, "d", LoRARequest("x", 3, "org/adapter-c"))
     assert keys_of(other_run, "d", LoRARequest("x", 3, "org/adapter-c")) == pinned

@@ -34,10 +34,12 @@ different models share one cluster without meeting; the geometry in the
 name keeps pools of other slot shapes apart before a byte moves.
 
 The mark: a ``MARK_BYTES`` value under ``kvtier1/mark/<random>``, one per
-client, hard-pinned (never evicted for room). A master that restarts starts
-empty, and one that loses a node's segment loses the values held there;
-both lose the mark as well, the only sign a client gets (Mooncake's calls
-go on working against the new master). The store's mover checks the mark
+client, hard-pinned (never evicted for room), put in this node's own
+segment when it lends one. A master that restarts starts empty and loses
+the mark with everything else: the only sign a client gets (Mooncake's
+calls go on working against the new master). A peer that leaves takes the
+blocks held in its segment with it; the mark does not tell that (those
+blocks are misses, never wrong KV). The store's mover checks the mark
 with each health check and, when it is gone, puts it again and counts
 everything it had published as unpublished (see ``ClusterMover``). A node
 that dies without closing leaves its mark (64 bytes) in the cluster.
@@ -200,6 +202,9 @@ class MooncakeTier:
         mark_rep = ReplicateConfig()
         mark_rep.replica_num = 1
         mark_rep.with_hard_pin = True
+        # In this node's own segment: it then goes with a master that
+        # restarts (or with this node), not with a peer that leaves.
+        mark_rep.preferred_segment = store.get_hostname()
         self._mark_rep = mark_rep
         self._staging, self._staging_addr = staging, staging_addr
         self._store = store

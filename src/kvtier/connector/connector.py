@@ -210,14 +210,17 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None) -> str | None:
-    """The local snapshot directory of a Hugging Face repository, from the cache alone (no network)."""
+def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None,
+                  filename: str = "config.json") -> str | None:
+    """The local snapshot directory of a Hugging Face repository, from the
+    cache alone (no network), found by a ``filename`` it holds (a LoRA
+    adapter's repository has ``adapter_config.json``, no ``config.json``)."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
     try:
-        found = try_to_load_from_cache(model, "config.json", cache_dir=cache_dir, revision=revision)
+        found = try_to_load_from_cache(model, filename, cache_dir=cache_dir, revision=revision)
     except Exception:  # noqa: BLE001 - not a repository id, or a malformed cache: not pinned
         return None
     return os.path.dirname(found) if isinstance(found, str) else None
@@ -254,7 +257,10 @@ def _numerics(vllm_config: VllmConfig) -> str:
             f"|qconf={_canonical(getattr(mc, 'quantization_config', None))}"
             f"|overrides={_canonical(getattr(mc, 'hf_overrides', None))}"
             f"|hfconf={getattr(mc, 'hf_config_path', None)}|format={getattr(mc, 'config_format', None)}"
-            f"|maxlen={getattr(mc, 'max_model_len', None)}"
+            # As given (None, -1 for auto, or a length): with auto vLLM later
+            # shrinks max_model_len in place to fit the free memory, after the
+            # model (and its rope) was built.
+            f"|maxlen={getattr(mc, 'original_max_model_len', getattr(mc, 'max_model_len', None))}"
             f"|impl={getattr(mc, 'model_impl', None)}"
             f"|classes={_canonical(getattr(mc, 'model_class_overrides', None))}"
             f"|load={getattr(lc, 'load_format', None)}:{_canonical(getattr(lc, 'model_loader_extra_config', None))}"

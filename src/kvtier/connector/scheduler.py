@@ -175,7 +175,7 @@ class SchedulerSide:
             if os.path.isdir(path):
                 ident = os.path.abspath(path) + "#" + directory_digest(path)
             elif raw and not os.path.isabs(path) and not os.path.exists(path):
-                snapshot = _hub_snapshot(raw, None, None)
+                snapshot = _hub_snapshot(raw, None, None, filename="adapter_config.json")
                 ident = (f"{raw}@{os.path.basename(snapshot)}#{directory_digest(snapshot)}" if snapshot
                          else f"{raw}#unpinned-{self._nonce}")
             else:

@@ -263,9 +263,10 @@ class WorkerSide:
         bad: list[BlockCopy] = []
         try:
             if self._copies is not None:
-                self._copies.load(self._layers, self.layout, [c.block_id for c in good], self._slots,
-                                  [c.slot for c in good])
-                self._loaded_step = plan.step
+                if good:
+                    self._copies.load(self._layers, self.layout, [c.block_id for c in good], self._slots,
+                                      [c.slot for c in good])
+                    self._loaded_step = plan.step
             elif checked:
                 # CPU: each block's checksum right after its copy, from the
                 # cache (scatter_checked); a block that fails is a load error
@@ -508,7 +509,9 @@ class WorkerSide:
             except Exception:  # noqa: BLE001 - a failed save is only a future miss
                 log.exception("kvtier: queueing %d saves failed", len(plan.saves))
                 held.failed = True
-        if self._saved_layers:
+        if self._saved_layers or plan.step == self._loaded_step:
+            # (A step whose loads were queued: its slots are read until the
+            # event, even when none of its saves was copied.)
             held.done = self._copies.end_saves()
             # vLLM's next work (block zeroing, the next step's KV writes)
             # waits on the device for these copies, never on the host.

@@ -174,13 +174,18 @@ class HitRates:
         return self.h1 + (1 - self.h1) * self.h2
 
 
+# kvtier's gauges whose names end in _total like counters (they may fall).
+_GAUGES_NAMED_TOTAL = frozenset({"kvtier_dram_slots_total", "kvtier_ssd_slots_total"})
+
+
 def hit_rates(before: dict[str, float], after: dict[str, float]) -> HitRates:
     # A counter lower than before means the server restarted in between
     # and all its counters began again at 0: what they count now is all
     # there is of the interval since (a counter that grew past its old
     # value by then would otherwise give a wrong, smaller delta).
     restarted = any(v < before.get(k, 0.0) for k, v in after.items()
-                    if k.startswith(("vllm:", "kvtier_")) and k.partition("{")[0].endswith("_total"))
+                    if k.startswith(("vllm:", "kvtier_")) and k.partition("{")[0].endswith("_total")
+                    and k.partition("{")[0] not in _GAUGES_NAMED_TOTAL)
     if restarted:
         before = {}
 

@@ -1,0 +1,152 @@
+"""Publishing again what a restarted master lost, against a cluster whose
+puts the test holds back: a resync does not starve fresh saves, starts when
+the cluster comes back after an outage, and a store closed in the middle of
+one leaves no pin behind.
+
+The remote stands in for the network peer (Mooncake's client), the only
+part faked: it holds what was put, answers for this node's mark, and lets
+puts through only while its gate is open. The store, its movers and the
+arena are real.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvtier.store import TieredStore
+from kvtier.tier.dram import checksum
+from kvtier.tools.server import poll_until
+
+RANK_BYTES = 4096
+
+
+class GatedMaster:
+    connected = True
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()  # what the cluster holds
+        self.mark = False
+        self.up = True
+        self.gate = threading.Event()
+        self.gate.set()
+        self.in_put = 0
+
+    def connect(self) -> None:
+        pass
+
+    def healthy(self) -> bool:
+        return self.up
+
+    def holds_mark(self) -> bool:
+        return self.mark
+
+    def put_mark(self) -> bool:
+        self.mark = True
+        return True
+
+    def exists(self, keys):  # noqa: ANN001, ANN201
+        return [k in self.held for k in keys]
+
+    def fetch(self, keys, slots):  # noqa: ANN001, ANN201
+        return []
+
+    def publish(self, keys, slots):  # noqa: ANN001, ANN201
+        self.in_put += 1
+        self.gate.wait(30)
+        self.in_put -= 1
+        self.held.update(keys)
+        return [True] * len(keys)
+
+    def restart(self) -> None:
+        """A master restarted: empty, the node's mark gone with the rest."""
+        self.held.clear()
+        self.mark = False
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def node(make_tier, capacity_for) -> Iterator[tuple[TieredStore, GatedMaster]]:
+    remote = GatedMaster()
+    store = TieredStore(make_tier(capacity_for(32, RANK_BYTES), RANK_BYTES), 99, 90, cluster=remote,
+                        cluster_queue_blocks=2, cluster_timeout_s=0.5)
+    assert poll_until(lambda: store.cluster.up, 10)
+    try:
+        yield store, remote
+    finally:
+        remote.gate.set()
+        store.close()
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def save(store: TieredStore, keys: list[bytes], step: int) -> None:
+    tier = store.tier
+    slots = store.prepare_save(keys, step)
+    for k, slot in zip(keys, slots):
+        assert slot is not None
+        view = tier.rank_view(slot, 0)
+        view.numpy()[:] = np.frombuffer(k * (RANK_BYTES // 16), dtype=np.uint8)
+        tier.seal(slot, k, 0, checksum(view, k))
+    store.complete_step(step)
+
+
+def save_published(store: TieredStore, remote: GatedMaster, keys: list[bytes]) -> None:
+    """Save ``keys`` two at a time (the publishing room), each pair published before the next."""
+    for i in range(0, len(keys), 2):
+        save(store, keys[i : i + 2], 100 + i)
+        assert poll_until(lambda: set(keys[: i + 2]) <= remote.held and store.cluster.publishing == 0, 10)
+
+
+def check_now(store: TieredStore) -> None:
+    store.cluster._wake.set()  # the health thread's next check, now rather than in a second
+
+
+def test_saves_made_during_a_resync_reach_the_cluster(node: tuple[TieredStore, GatedMaster]) -> None:
+    store, remote = node
+    old = [key(i) for i in range(6)]
+    save_published(store, remote, old)
+    remote.gate.clear()
+    remote.restart()
+    check_now(store)
+    assert poll_until(lambda: remote.in_put > 0, 10)  # the resync holds the publishing room
+    fresh = [key(100 + i) for i in range(3)]
+    save(store, fresh, 1000)
+    remote.gate.set()
+    assert poll_until(lambda: remote.held >= set(old) | set(fresh), 10), remote.held
+    c = store.counters()
+    assert c["cluster_lost"] == 1 and c["cluster_publish_skipped"] == 0
+
+
+def test_a_resync_starts_when_the_cluster_comes_back(node: tuple[TieredStore, GatedMaster]) -> None:
+    store, remote = node
+    old = [key(i) for i in range(4)]
+    save_published(store, remote, old)
+    remote.up = False
+    check_now(store)
+    assert poll_until(lambda: (check_now(store), not store.cluster.up)[1], 10)
+    remote.restart()
+    remote.up = True
+    # Nothing else is saved: the node publishes again on its own.
+    assert poll_until(lambda: (check_now(store), remote.held == set(old))[1], 15)
+
+
+def test_closing_in_the_middle_of_a_resync_leaves_no_pin(node: tuple[TieredStore, GatedMaster]) -> None:
+    store, remote = node
+    old = [key(i) for i in range(6)]
+    save_published(store, remote, old)
+    remote.gate.clear()
+    remote.restart()
+    check_now(store)
+    assert poll_until(lambda: remote.in_put > 0, 10)
+    threading.Timer(0.3, remote.gate.set).start()
+    store.close()  # waits for the puts in flight; no new one may start
+    assert store.cluster.publishing == 0
+    assert all(store._entries[k].pins == 0 for k in old)
