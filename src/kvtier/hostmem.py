@@ -265,10 +265,12 @@ def drain_cuda_errors(maps_path: str = "/proc/self/maps") -> int:
     return len(paths)
 
 
-def pin_host_memory(ptr: int, size_bytes: int, cudart=None,
-                    chunk_bytes: int = PIN_CHUNK_BYTES) -> tuple[PinnedRegion | None, str]:
+def pin_host_memory(ptr: int, size_bytes: int, cudart=None, chunk_bytes: int = PIN_CHUNK_BYTES,
+                    unit: int = 4096) -> tuple[PinnedRegion | None, str]:
     """Register ``size_bytes`` at ``ptr`` as page-locked memory, in parts of
-    at most ``chunk_bytes``: (region, "") or (None, why).
+    at most ``chunk_bytes`` that are whole multiples of ``unit`` (the arena's
+    slot stride: no slot, so no block copy, spans two registrations, which
+    could make that copy synchronous): (region, "") or (None, why).
 
     ``cudart`` is torch's CUDA runtime binding (``torch.cuda.cudart()``),
     given by tests that stand in for the driver. Registration fails on a
@@ -285,7 +287,8 @@ def pin_host_memory(ptr: int, size_bytes: int, cudart=None,
             cudart = torch.cuda.cudart()
         except Exception as err:  # noqa: BLE001 - no CUDA runtime: nothing to pin for
             return None, f"no CUDA runtime ({err})"
-    chunk = max(4096, chunk_bytes // 4096 * 4096)
+    unit = max(4096, unit)
+    chunk = max(unit, chunk_bytes // unit * unit)
     parts: list[int] = []
     why = ""
     for start in range(0, size_bytes, chunk):

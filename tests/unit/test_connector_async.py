@@ -264,8 +264,8 @@ def test_the_arena_is_pinned_beside_the_step_and_released_after_it(device_worker
         def release(self) -> None:
             released.append(True)
 
-    def slow_pin(ptr: int, size: int):
-        calls.append((ptr, size))
+    def slow_pin(ptr: int, size: int, unit: int):
+        calls.append((ptr, size, unit))
         may_finish.wait(30)
         return Region(), ""
 
@@ -273,7 +273,8 @@ def test_the_arena_is_pinned_beside_the_step_and_released_after_it(device_worker
     plan = StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)])
     assert step(w, plan) is None  # the step ran while the registration is under way
     assert stream.saved_layers == [0, 1] and w._pinned is None
-    assert calls == [(w._tier._slots.data_ptr(), w._tier._slots.numel())]  # the worker's own mapping
+    # The worker's own mapping, registered in parts of whole slots.
+    assert calls == [(w._tier._slots.data_ptr(), w._tier._slots.numel(), w._tier.slot_stride)]
     closer = threading.Thread(target=w._close_arena)
     closer.start()
     closer.join(0.5)

@@ -206,3 +206,15 @@ def test_every_mapped_cuda_runtime_is_asked_once(tmp_path) -> None:
     # Neither library is loaded here: each is tried once (RTLD_NOLOAD) and skipped.
     assert drain_cuda_errors(str(maps)) == 2
     assert drain_cuda_errors(str(tmp_path / "missing")) == 0
+
+
+def test_no_slot_spans_two_registrations() -> None:
+    from kvtier.hostmem import pin_host_memory
+
+    stride = 3 * 4096 + 4096 * 7  # a slot of 40 KiB
+    driver = _Driver()
+    region, _ = pin_host_memory(0x7F0000000000, 100 * stride, cudart=driver, chunk_bytes=1 << 20, unit=stride)
+    assert region is not None
+    starts = [p - 0x7F0000000000 for p, _, _ in driver.registered]
+    assert all(s % stride == 0 for s in starts) and len(starts) == 4  # 25 slots a part
+    assert sum(n for _, n, _ in driver.registered) == 100 * stride

@@ -198,12 +198,12 @@ class WorkerSide:
         stays on that thread, never on vLLM's."""
         data = tier._slots
         device = self._layers[0].device if self._layers else None
-        ptr, size = data.data_ptr(), data.numel()
+        ptr, size, unit = data.data_ptr(), data.numel(), tier.slot_stride
 
         def pin() -> None:
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)  # else the runtime would open a context on device 0
-            region, why = pin_host_memory(ptr, size)
+            region, why = pin_host_memory(ptr, size, unit=unit)
             if region is None:
                 log.warning("kvtier: the DRAM arena %s stays pageable (%s): device copies go through the "
                             "driver's bounce buffer and block vLLM's thread", tier.path, why)
