@@ -264,3 +264,37 @@ def test_something_else_than_etcd_is_refused(tmp_path: Path) -> None:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_stopped_leader_is_not_joined(etcd_server: Etcd, tmp_path: Path) -> None:
+    """A leader that is stopped (or wedged) still holds its etcd key for a
+    few seconds, and the kernel still takes connections on its port; Mooncake's
+    setup against it would hold the GIL and freeze the meta service. It must
+    answer first."""
+    import signal
+
+    from kvtier.cluster.client import _ha_leader
+    from kvtier.cluster.master import answers
+    from kvtier.errors import ClusterError
+
+    cfg = ClusterConfig(master_port=free_port(), master_metrics_port=free_port(),
+                        etcd_endpoints=etcd_server.endpoint)
+    sup = MasterSupervisor(cfg, log_path=tmp_path / "master.log")
+    sup.start()
+    try:
+        wait_for(lambda: etcd.leader(etcd_server.endpoint) == cfg.master_address, 30, "the master to lead")
+        # Elected, it serves a few seconds later (Mooncake waits out a lease period first).
+        wait_for(lambda: answers("127.0.0.1", cfg.master_port), 30, "the leader to serve")
+        assert _ha_leader(cfg) == cfg.master_address
+        pid = sup.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert etcd.leader(etcd_server.endpoint) == cfg.master_address  # still named there
+            with pytest.raises(ClusterError, match="does not answer"):
+                _ha_leader(cfg)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert _ha_leader(cfg) == cfg.master_address
+    finally:
+        sup.stop()

@@ -52,8 +52,8 @@ set up with ``etcd://HOST:PORT;...`` (:func:`master_entry`) and Mooncake
 follows the leader etcd names; after a takeover its calls fail until it has
 switched and re-mounted its segment (about 10 s in the tests), which the
 store's health checks see as the cluster down, then up. Before setup,
-:meth:`connect` reads the leader from etcd and requires its port to take
-connections. Mooncake's close (and its destructor at exit) then waits for
+:meth:`connect` reads the leader from etcd and requires it to answer on
+its port (a stopped leader's port still accepts). Mooncake's close (and its destructor at exit) then waits for
 its leader-watch thread, up to 30 s, holding the GIL.
 """
 
@@ -113,8 +113,8 @@ def master_entry(cfg: ClusterConfig) -> str:
 
 
 def _ha_leader(cfg: ClusterConfig) -> str:
-    """The leader's ``HOST:PORT`` when it takes connections, else ClusterError."""
-    from kvtier.cluster.master import port_open
+    """The leader's ``HOST:PORT`` when it answers (:func:`~kvtier.cluster.master.answers`), else ClusterError."""
+    from kvtier.cluster.master import answers
 
     try:
         where = etcd.leader(cfg.etcd_endpoints)
@@ -124,9 +124,9 @@ def _ha_leader(cfg: ClusterConfig) -> str:
         raise ClusterError(f"no Mooncake master leads yet (etcd at {cfg.etcd_endpoints}: an election under "
                            "way, or no master started)")
     host, _, port = where.rpartition(":")
-    if not (port.isascii() and port.isdigit()) or not port_open(host.strip("[]"), int(port), timeout_s=0.5):
-        raise ClusterError(f"the leading Mooncake master at {where} (named by etcd) does not take "
-                           "connections")
+    if not (port.isascii() and port.isdigit()) or not answers(host.strip("[]"), int(port), timeout_s=0.5):
+        raise ClusterError(f"the leading Mooncake master at {where} (named by etcd) does not answer "
+                           "(down, stopped or wedged)")
     return where
 
 
@@ -169,7 +169,7 @@ class MooncakeTier:
         # master that accepts connections and never answers froze the whole
         # meta service (test_cluster.py::test_stalled_lookup...). Its HTTP
         # side must say it serves first, within a bounded wait. Highly
-        # available (etcd): the leader etcd names must take connections.
+        # available (etcd): the leader etcd names must answer.
         entry = master_entry(cfg)
         if cfg.etcd_endpoints:
             where = _ha_leader(cfg)

@@ -116,6 +116,23 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
+def answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether the process behind ``host:port`` reads what it is sent: a
+    master's RPC server closes a connection that sends it bytes that are no
+    request at once, or answers them; a stopped (or wedged) one leaves them
+    unread, though the kernel took the connection. A port that merely
+    accepts is not enough before Mooncake's ``setup``, which holds the GIL
+    while it waits on the master."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.sendall(b"\0" * 64)  # no request of Mooncake's RPC (its header's magic is not 0)
+            s.settimeout(timeout_s)
+            s.recv(64)  # data or end of stream: someone read it
+            return True
+    except OSError:  # refused, reset (also an answer, but not one to connect to), or no answer in time
+        return False
+
+
 def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
