@@ -494,7 +494,7 @@ def parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="start the meta service and N vLLM instances wired to it; stop on Ctrl-C")
     sv.add_argument("--model", required=True, help="what vLLM serves (a path or a model id)")
-    sv.add_argument("--instances", type=int, default=1)
+    sv.add_argument("--instances", type=_at_least(1), default=1)
     sv.add_argument("--config-dir", default=None,
                     help="folder with mmc-meta.conf and mmc-local.conf (default: $MMC_*_CONFIG_PATH, "
                          "else loopback defaults)")

@@ -115,3 +115,81 @@ def test_worker_node_of_the_cluster_runs_the_local_role(tmp_path: Path) -> None:
     local.write_text("ock.mmc.meta_service_url = tcp://10.0.0.1:5000\nkvtier.node_service_url = tcp://127.0.0.1:5010\n"
                      "kvtier.cluster.enabled = true\n")
     assert meta_role_args(local) == ["--role", "local"]
+
+
+@pytest.mark.parametrize("arg", ["--port", "--port=9000", "--host", "--model", "--kv-transfer-config",
+                                 "--kv-transfer-config.kv_connector"])
+def test_vllm_arguments_that_replace_serves_own_are_refused(arg: str) -> None:
+    """vLLM takes the last of a flag given twice (it only logs it): the
+    instance would listen where serve does not look, or lose the connector."""
+    from kvtier.tools.serve import check_vllm_args
+
+    with pytest.raises(ServerError, match="after --"):
+        check_vllm_args(["--max-model-len", "64", arg, "x"])
+    check_vllm_args(["--max-model-len", "64", "--portable", "--hostname-x"])  # other flags pass
+
+
+def test_a_second_serve_on_a_folder_in_use_is_refused(tmp_path: Path) -> None:
+    """It would take over the first one's record, logs and config files;
+    kvtier stop would then stop only the second."""
+    sup = waiter()
+    try:
+        record(tmp_path, [("supervisor", sup.pid, process_start_time(sup.pid))])
+        with pytest.raises(ServerError, match=f"pid {sup.pid}.*already runs there"):
+            Serve("m", 1, tmp_path, out=lambda *_: None).start()
+        assert json.loads((tmp_path / STATE_FILE).read_text())["processes"][0]["pid"] == sup.pid
+    finally:
+        sup.kill()
+        sup.wait()
+
+
+def test_a_busy_port_is_named_before_anything_starts(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        port = busy.getsockname()[1]
+        s = Serve("m", 2, tmp_path / "logs", first_port=port - 1, out=lambda *_: None)
+        with pytest.raises(ServerError, match=f"port {port} \\(instance 1\\)"):
+            s.start()
+        assert s.meta is None  # refused before the meta service or any vLLM
+
+
+def test_ctrl_c_while_the_meta_service_starts_stops_it_and_starts_nothing(tmp_path: Path) -> None:
+    import threading
+
+    lines: list[str] = []
+    s = Serve("m", 1, tmp_path / "logs", out=lines.append)
+    threading.Timer(0.3, s.request_stop).start()  # Ctrl-C soon after start
+    try:
+        with pytest.raises(ServerError, match="interrupted"):
+            s.start()
+        assert s.instances == [] and lines == []
+        assert s.meta is not None and s.meta.proc is not None and s.meta.proc.poll() is not None
+    finally:
+        s.stop()
+
+
+def test_a_missing_config_file_named_by_the_environment_names_the_variable(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MMC_META_CONFIG_PATH", str(tmp_path / "nowhere.conf"))
+    monkeypatch.delenv("MMC_LOCAL_CONFIG_PATH", raising=False)
+    with pytest.raises(ServerError, match="MMC_META_CONFIG_PATH=.*nowhere.conf: no such file"):
+        find_configs(None, tmp_path)
+
+
+def test_stop_with_a_stale_or_garbled_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    record(tmp_path, [("supervisor", gone.pid, 12345)])
+    assert stop(str(tmp_path)) == 0
+    assert "removed the stale record" in capsys.readouterr().out and not (tmp_path / STATE_FILE).exists()
+    (tmp_path / STATE_FILE).write_text("{not json")
+    assert stop(str(tmp_path)) == 1
+    assert "not a record kvtier serve wrote" in capsys.readouterr().err
+
+
+def test_an_instance_url_reaches_the_address_it_binds() -> None:
+    from kvtier.tools.serve import client_host
+
+    assert [client_host(h) for h in ("127.0.0.1", "0.0.0.0", "10.0.0.5", "::", "fd00::5")] == \
+        ["127.0.0.1", "127.0.0.1", "10.0.0.5", "[::1]", "[fd00::5]"]

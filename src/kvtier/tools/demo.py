@@ -90,7 +90,28 @@ def pool_configs(folder: Path, dram_size: str) -> tuple[Path, Path]:
     return meta, local
 
 
+def check_options(opts: DemoOptions) -> None:
+    """Refuse a demo that cannot show what its table names: with no
+    document, a document longer than the device cache, or documents that
+    all fit in it (the second round would be device hits, not kvtier's)."""
+    from kvtier.errors import ConfigError
+
+    if opts.docs < 1:
+        raise ConfigError("--docs", opts.docs, "at least 1 document")
+    blocks = -(-opts.doc_tokens // opts.block_size) + 1  # with the question
+    if blocks >= opts.device_blocks:
+        raise ConfigError("--doc-tokens", opts.doc_tokens,
+                          f"a document needs {blocks} blocks of {opts.block_size} tokens; the device cache "
+                          f"holds {opts.device_blocks} (--device-blocks)")
+    if opts.docs * blocks <= opts.device_blocks:
+        raise ConfigError("--docs", opts.docs,
+                          f"{opts.docs} documents of {opts.doc_tokens} tokens fit the device cache "
+                          f"({opts.device_blocks} blocks): every repeat would be a device hit; give more "
+                          "documents or tokens, or fewer --device-blocks")
+
+
 def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
+    check_options(opts)
     console = console or Console()
     t_start = time.monotonic()
     real = opts.geometry in REAL_MODELS

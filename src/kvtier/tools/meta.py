@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,7 +43,10 @@ class MetaProcess:
         """What a vLLM instance needs to find this service (as the seeds export it)."""
         return {"MMC_META_CONFIG_PATH": self.meta_config, "MMC_LOCAL_CONFIG_PATH": self.local_config}
 
-    def start(self) -> MetaProcess:
+    def start(self, stop: threading.Event | None = None) -> MetaProcess:
+        """Start it and wait until it serves; ``stop`` (set by a signal
+        handler, Ctrl-C) ends the wait: the process is stopped and
+        ServerError says so."""
         ready = Path(tempfile.mkdtemp(prefix="kvtier-meta-")) / "ready"
         env = dict(os.environ)
         env.update(self.env_for_clients())
@@ -53,6 +57,9 @@ class MetaProcess:
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                self.stop()
+                raise ServerError("interrupted while the meta service started")
             if self.proc.poll() is not None:
                 raise ServerError(f"kvtier meta exited with {self.proc.returncode} during start-up; "
                                   f"log {self.log_path}:\n{self.log_tail()}")

@@ -35,6 +35,10 @@ from kvtier.tools.server import (ServerError, free_port, log_tail, poll_until, r
                                  stop_group, vllm_shm_files)
 
 STATE_FILE = "serve.json"
+# vLLM flags serve sets itself; given again after --, vLLM would take the
+# last one (logging only "Found duplicate keys").
+OWN_VLLM_FLAGS = {"--port": "--port", "--host": "--host", "--model": "--model",
+                  "--kv-transfer-config": "(kvtier serve wires the connector itself)"}
 
 
 def process_start_time(pid: int) -> int | None:
@@ -68,9 +72,42 @@ def find_configs(config_dir: str | None, log_dir: Path) -> tuple[Path, Path]:
                 raise ServerError(f"{p}: no such file (--config-dir needs mmc-meta.conf and mmc-local.conf)")
         return meta, local
     env_meta, env_local = os.environ.get("MMC_META_CONFIG_PATH"), os.environ.get("MMC_LOCAL_CONFIG_PATH")
+    for var, value in (("MMC_META_CONFIG_PATH", env_meta), ("MMC_LOCAL_CONFIG_PATH", env_local)):
+        if value and not Path(value).is_file():
+            raise ServerError(f"{var}={value}: no such file")
     if env_meta or env_local:
         return Path(env_meta or env_local), Path(env_local or env_meta)  # type: ignore[arg-type]
     return default_configs(log_dir)
+
+
+def check_vllm_args(args: list[str]) -> None:
+    """Refuse vLLM arguments that would replace what serve sets: one line
+    naming serve's own flag."""
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        for flag, instead in OWN_VLLM_FLAGS.items():
+            if name == flag or name.startswith(flag + "."):
+                use = f"use kvtier serve's {instead}" if instead.startswith("--") else instead
+                raise ServerError(f"vLLM argument {arg!r} after --: {use}")
+
+
+def client_host(host: str) -> str:
+    """Where to reach an instance bound to ``host`` from this machine."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def live_supervisor(log_dir: Path) -> int | None:
+    """The pid of a ``kvtier serve`` still running on ``log_dir`` (its record names it), else None."""
+    try:
+        state = json.loads((log_dir / STATE_FILE).read_text())
+        sup = next(p for p in state.get("processes", []) if p.get("role") == "supervisor")
+    except (OSError, ValueError, StopIteration, AttributeError):
+        return None
+    return sup["pid"] if process_start_time(sup["pid"]) == sup.get("start") else None
 
 
 @dataclass
@@ -79,10 +116,11 @@ class Instance:
     port: int
     proc: subprocess.Popen
     log_path: Path
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{client_host(self.host)}:{self.port}"
 
 
 def _transfer_config() -> str:
@@ -137,7 +175,7 @@ class Serve:
                 "--kv-transfer-config", _transfer_config(), *self.vllm_args]
         with open(log_path, "w") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        return Instance(i, port, proc, log_path)
+        return Instance(i, port, proc, log_path, self.host)
 
     def _wait_ready(self, inst: Instance) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -151,20 +189,55 @@ class Serve:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        if self._stop.is_set():
+            raise ServerError(f"interrupted while vLLM instance {inst.index} started")
         raise ServerError(f"vLLM instance {inst.index} not ready after {self.startup_timeout_s:.0f} s; "
                           f"log {inst.log_path}")
 
+    def _check_ports(self) -> None:
+        """Each instance's port, when given, must be free now: found before
+        vLLM spends its start-up (and the instances before it theirs)."""
+        if not self.first_port:
+            return
+        import socket
+
+        for i in range(self.n):
+            port = self.first_port + i
+            if port > 65535:
+                raise ServerError(f"--port {self.first_port} with --instances {self.n}: port {port} is past 65535")
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            with socket.socket(family) as s:
+                try:
+                    s.bind((self.host if self.host not in ("",) else "0.0.0.0", port))
+                except OSError as err:
+                    raise ServerError(f"--port {self.first_port}: port {port} (instance {i}) on {self.host}: "
+                                      f"{err.strerror}") from None
+
     def start(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        check_vllm_args(self.vllm_args)
+        if self.n < 1:
+            raise ServerError(f"--instances {self.n}: at least 1")
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ServerError(f"--log-dir {self.log_dir}: {err.strerror}") from None
+        running = live_supervisor(self.log_dir)
+        if running is not None:
+            raise ServerError(f"--log-dir {self.log_dir}: kvtier serve (pid {running}) already runs there; "
+                              f"stop it (kvtier stop --log-dir {self.log_dir}) or choose another folder")
+        self._check_ports()
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
         self.meta = MetaProcess(meta_conf, local_conf, log_path=self.log_dir / "meta.log",
-                                args=meta_role_args(local_conf)).start()
+                                args=meta_role_args(local_conf))
+        self.meta.start(stop=self._stop)
         self.out(f"meta service  {self.meta.address}   metrics {self.meta.metrics_url}/metrics")
         env = dict(os.environ)
         env.update(self.meta.env_for_clients())
         # Started one after another: on a small host parallel start-ups only
         # compete for the same cores; each must be up before the next.
         for i in range(self.n):
+            if self._stop.is_set():
+                raise ServerError("interrupted during start-up")
             inst = self._start_instance(i, env)
             self.instances.append(inst)
             self._write_state()
@@ -203,7 +276,9 @@ class Serve:
 def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm_args: list[str],
           first_port: int = 0, host: str = "127.0.0.1") -> int:
     s = Serve(model, instances, Path(log_dir), config_dir, vllm_args, host=host, first_port=first_port)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP: the terminal closed; the children run in sessions of their own
+    # and would be left behind.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, s.request_stop)
     try:
         s.start()
@@ -224,10 +299,17 @@ def stop(log_dir: str, timeout_s: float = 120.0) -> int:
     path = Path(log_dir) / STATE_FILE
     try:
         state = json.loads(path.read_text())
+        procs = [p for p in state.get("processes", []) if process_start_time(int(p["pid"])) == p["start"]]
     except FileNotFoundError:
         print(f"kvtier stop: {path}: nothing recorded there (not serving?)", file=sys.stderr)
         return 1
-    procs = [p for p in state.get("processes", []) if process_start_time(p["pid"]) == p["start"]]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        print(f"kvtier stop: {path}: not a record kvtier serve wrote ({err}); nothing signalled", file=sys.stderr)
+        return 1
+    if not procs:
+        path.unlink(missing_ok=True)
+        print(f"nothing recorded in {path} was running; removed the stale record")
+        return 0
     sup = [p for p in procs if p["role"] == "supervisor"]
     if sup:
         os.kill(sup[0]["pid"], signal.SIGTERM)

@@ -1,8 +1,8 @@
 """Live view of a running server's cache: ``kvtier stats``.
 
 Runs from the command line against vLLM's /metrics (with kvtier's series
-when the connector is loaded). Each refresh shows, over the whole run and
-over the last interval: hit rates h1 (device), h2 (external) and h_all,
+when the connector is loaded). Each refresh shows, since the server started
+(its counters) and over the last interval: hit rates h1 (device), h2 (external) and h_all,
 prompt tokens served by source, the DRAM and SSD tiers' usage, evictions,
 demotions and promotions, blocks loaded and saved, and load errors.
 """
@@ -37,7 +37,7 @@ _EVENTS = (
 def snapshot_table(url: str, first: dict[str, float], prev: dict[str, float], now: dict[str, float]) -> Table:
     t = Table(title=f"kvtier stats: {url}  ({time.strftime('%H:%M:%S')})")
     t.add_column("")
-    t.add_column("whole run", justify="right")
+    t.add_column("since server start", justify="right")
     t.add_column("last interval", justify="right")
     total, recent = hit_rates(first, now), hit_rates(prev, now)
     t.add_row("h1 device", f"{total.h1:.1%}", f"{recent.h1:.1%}")
@@ -74,12 +74,13 @@ def watch(url: str, interval_s: float, once: bool = False, count: int = 0) -> in
         return 0
     prev = first
     n = 0
-    with Live(snapshot_table(url, first, prev, first), console=console, refresh_per_second=4) as live:
+    # The first column counts from the server's start, not from this view's.
+    with Live(snapshot_table(url, {}, prev, first), console=console, refresh_per_second=4) as live:
         try:
             while not count or n < count:
                 time.sleep(interval_s)
                 now = scrape()
-                live.update(snapshot_table(url, first, prev, now))
+                live.update(snapshot_table(url, {}, prev, now))
                 prev = now
                 n += 1
         except KeyboardInterrupt:
