@@ -89,6 +89,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvtier.movers import DEMOTE_GIVE_UP as DEMOTE_GIVE_UP  # re-exported: part of the store's contract
+from kvtier.errors import TierIOError
 from kvtier.movers import ClusterMover, PromoteJob, RemoteTier, TierMover
 from kvtier.movers import Fetched
 from kvtier.policy import EvictionPolicy, LruPolicy
@@ -530,9 +531,16 @@ class TieredStore:
         placed = -1  # index of the first key not settled, once found
         with self._lock:
             entries = self._entries
-            new = [k for k in dict.fromkeys(keys) if k not in entries]
+            unique = list(dict.fromkeys(keys))
+            new = [k for k in unique if k not in entries]
+            held = [k for k in unique if k in entries]
+            # The held keys of this prefix are in use: made recent first, so
+            # that the room made for the new ones is not made from them.
+            if held:
+                self._policy.touch(held)
             self._make_room_locked(len(new))
-            wanted = set(new)
+            # (Any evicted all the same is saved again.)
+            wanted = set(new) | {k for k in held if k not in entries}
             pending = self._pending.setdefault(owner, {}).setdefault(step, [])
             added: list[bytes] = []
             for i, key in enumerate(keys):
@@ -787,6 +795,16 @@ class TieredStore:
             dirty = self._ssd_entries.take_dirty() if self.ssd is not None else np.zeros(0, dtype=np.int32)
             if ssd_slots.size or dirty.size:
                 self._mover.invalidate(np.concatenate([ssd_slots.astype(np.int32), dirty]))
+            # Every header written so far (demotions in flight included: their
+            # numbers are taken under this lock) is numbered below it.
+            floor = self.ssd.next_seq() if self.ssd is not None else 0
+        if floor:
+            # Recovery ignores what is numbered below the floor: nothing from
+            # before the reset comes back, even where emptying a header fails.
+            try:
+                self.ssd.set_floor(floor)
+            except TierIOError as err:
+                log.warning("kvtier: %s; the reset relies on emptying the old headers alone", err)
         if ssd_slots.size or dirty.size:
             # On disk before the reset returns: a stop right after it must
             # not find the old blocks (bounded: a reset is rare).
@@ -1021,11 +1039,13 @@ class TieredStore:
         failed); ``bad``: its DRAM copy failed its checksums. True when the
         copy is refused: its header is to be emptied before the slot is freed."""
         e = self._entries[key]
-        stale = rec is not None and e.doomed
+        stale = e.doomed
         if stale:
             # Doomed while written (a reset, or a reader found it bad): the
             # copy must never be found, now or after a restart, so it is not
-            # published and its header is emptied before the slot is freed.
+            # published and its header is emptied before the slot is freed;
+            # also when the write failed: the slot's header may name this
+            # block, or the block the slot held before.
             self._ssd_entries.remove_slot(ssd_slot, free=False)
             rec = None
         elif rec is not None:

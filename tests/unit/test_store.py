@@ -112,6 +112,19 @@ def test_prepare_save_none_for_duplicates_and_held_keys(make_store) -> None:
     assert store.statistics().used_slots == 3
 
 
+def test_a_save_does_not_evict_the_held_keys_it_reports_as_held(make_store) -> None:
+    """The room made for a call's new keys is not made from its own held
+    keys: one evicted there was reported as held, never saved again, and
+    left a hole in the prefix."""
+    store = make_store(high_pct=30, low_pct=20)  # high 6 of 20 slots, low 4
+    for i in range(6):
+        save_ready(store, [K(i)], step=i)  # K0 the least recently used
+    got = store.prepare_save([K(0), K(6)], step=6)
+    store.complete_step(6)
+    assert got.placed == 2 and got[0] is None
+    assert store.contains(K(0)) and store.contains(K(6))
+
+
 def test_prepare_save_tells_held_from_no_room(make_store) -> None:
     # Issue 7, item 8: a key with no slot for lack of room must be saved
     # later; one already held must not.

@@ -27,6 +27,7 @@ import pytest
 import torch
 import xxhash
 
+from kvtier.errors import TierIOError
 from kvtier.store import Probe, TieredStore
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
@@ -71,6 +72,9 @@ class DiskIo(IoOps):
         self.reads.set()
         self.writes.set()
         self.fail_writes = False
+        self.fail_header_writes = False  # only writes of header-table pages raise EIO
+        self.fail_next_writes = 0  # the next N pwritev calls (any region) raise EIO
+        self.waiting_writes = 0  # pwritev calls waiting at the closed ``writes`` gate
         self.write_errno = errno.EIO
         self.fail_reads = False
         self.bad_sector = False  # the first data write's place fails, that time and every time after
@@ -90,8 +94,14 @@ class DiskIo(IoOps):
         return super().preadv(fd, buffers, offset)
 
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        with self._lock:
+            self.waiting_writes += 1
         assert self.writes.wait(60)
-        if self.fail_writes:
+        with self._lock:
+            self.waiting_writes -= 1
+            failing = self.fail_next_writes > 0
+            self.fail_next_writes -= failing
+        if self.fail_writes or failing or (self.fail_header_writes and PAGE <= offset < self.data_start):
             raise OSError(self.write_errno, os.strerror(self.write_errno))
         if PAGE <= offset < self.data_start:  # a run of header pages, 64 headers each
             pages = b"".join(bytes(b) for b in buffers)
@@ -600,6 +610,56 @@ def test_after_a_reset_a_restart_recovers_no_block_from_before_it(make_store, op
     save_each(store, KEYS[:25])
     assert store.counters()["ssd_evictions"] > 0
     store.clear()  # returns once the headers are empty on disk
+    store.close()
+    store.ssd.close()
+    _, recovered = open_ssd()
+    assert [rec.key for _, rec in recovered] == []
+
+
+def test_a_reset_whose_headers_could_not_be_emptied_still_brings_nothing_back(make_store, open_ssd,
+                                                                               disk: DiskIo) -> None:
+    """Emptying the old headers failed (a disk error): the reset's floor in
+    the superblock (the next sequence number) still keeps every older header
+    out of recovery."""
+    store = make_store(ssd_high_pct=50, ssd_low_pct=25)
+    save_each(store, KEYS[:25])
+    disk.fail_header_writes = True
+    store.clear()
+    disk.fail_header_writes = False
+    store.close()
+    store.ssd.close()
+    ssd, recovered = open_ssd()
+    assert [rec.key for _, rec in recovered] == []
+    # Blocks written after the reset are recovered after the next restart.
+    store = make_store(ssd, recovered, ssd_high_pct=50, ssd_low_pct=25)
+    save_each(store, KEYS[30:40], first_step=100)
+    store.close()
+    ssd.close()
+    _, recovered = open_ssd()
+    assert {rec.key for _, rec in recovered} and {rec.key for _, rec in recovered} <= set(KEYS[30:40])
+
+
+def test_a_demotion_that_fails_after_a_reset_leaves_no_older_header(make_store, open_ssd, disk: DiskIo,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block being written to an SSD slot whose header still names a block
+    evicted earlier, when a reset comes and the write then fails: that header
+    is emptied too (without the reset's floor, which here could not be
+    written either), or a restart would bring the evicted block back."""
+    store = make_store(ssd_high_pct=50, ssd_low_pct=25, io_threads=1)
+    save_each(store, KEYS[:25])  # SSD evictions: free slots whose headers still name their blocks
+    assert store.counters()["ssd_evictions"] > 0
+    monkeypatch.setattr(store.ssd, "set_floor", lambda floor: (_ for _ in ()).throw(
+        TierIOError(errno.EIO, "writing the reset floor failed")))
+    disk.writes.clear()
+    save(store, [KEYS[25]], 25)  # cleaning starts writing it (into a reused slot) and waits at the disk
+    wait_for(lambda: disk.waiting_writes == 1)
+    done = threading.Event()
+    threading.Thread(target=lambda: (store.clear(), done.set()), daemon=True).start()
+    wait_for(lambda: store._entries.get(KEYS[25]) is None or store._entries[KEYS[25]].doomed)
+    disk.fail_next_writes = 1  # the blocked write fails; the rest (emptying headers) goes through
+    disk.writes.set()
+    assert done.wait(60)
+    assert store.wait_idle()
     store.close()
     store.ssd.close()
     _, recovered = open_ssd()

@@ -14,7 +14,12 @@ On-disk layout of each path (format 3; every region 4 KiB aligned)::
 The superblock holds the format, the path's place in its tier, the slot
 geometry, the format epoch and the layout fingerprint the caller gives (a
 digest of the KV namespace and layout: a disk written for another model or
-layout starts empty instead of serving its blocks).
+layout starts empty instead of serving its blocks). After it, the reset
+floor (:data:`_FLOOR`): a reset (:meth:`SsdTier.set_floor`) writes the
+next sequence number there, and recovery ignores every header numbered
+below it, so nothing from before a reset comes back after a restart even
+where emptying its headers failed (a disk error). Zeros (a superblock
+written before the floor existed) mean no floor.
 
 A slot header (:data:`_HEADER`, 64 bytes) is self-describing: magic, the
 format epoch, the block's key, a sequence number (recency at recovery), the
@@ -97,6 +102,8 @@ _HDR_DTYPE = np.dtype([("magic", "<u8"), ("epoch", "<u8"), ("key", "V16"), ("seq
                        ("length", "<u8"), ("hsum", "<u8")])
 _HDR_MAGIC_U64 = int.from_bytes(_HDR_MAGIC, "little")
 FINGERPRINT_BYTES = 16
+_FLOOR = struct.Struct("<8sQ")  # after _SUPER in the superblock page: magic, lowest sequence number recovered
+_FLOOR_MAGIC = b"KVTFLOOR"
 SNIFF_BYTES = 64 << 10  # how much of a path's start must be zeros for it to count as unused
 _WRITE_RUN_PAGES = 64  # header pages per read-modify-write request: bounds the per-thread buffer
 _RECOVER_PAGES = 256  # header pages per recovery read (1 MiB, 16,384 headers)
@@ -297,6 +304,14 @@ def table_pages(num_slots: int) -> int:
     return -(-num_slots // HEADERS_PER_PAGE)
 
 
+def _read_floor(head: bytes) -> int:
+    """The reset floor a superblock page holds (0: none)."""
+    if len(head) < _SUPER.size + _FLOOR.size:
+        return 0
+    magic, floor = _FLOOR.unpack_from(head, _SUPER.size)
+    return floor if magic == _FLOOR_MAGIC else 0
+
+
 def slots_for(size_bytes: int, slot_bytes: int) -> int:
     """Most slots of ``slot_bytes`` that a path of ``size_bytes`` holds with its superblock and header table."""
     n = max(0, (size_bytes - PAGE) // (slot_bytes + HEADER_BYTES))  # an upper bound: the table is whole pages
@@ -450,6 +465,7 @@ class SsdTier:
         self.unreadable: set[SsdLocation] = set()  # slots whose header page recovery could not read
         self._seq_lock = threading.Lock()
         self._seq = 0
+        self.floor = 0  # headers numbered below it are from before a reset: never recovered
 
     # --- life cycle -------------------------------------------------------
 
@@ -506,6 +522,7 @@ class SsdTier:
             if why is None:
                 epoch = _SUPER.unpack_from(found[0].head)[5]
                 tier = cls(opened, epoch, io, fingerprint)
+                tier.floor = max(_read_floor(o.head) for o in found)
                 recovered = tier._recover()
                 log.info("kvtier: SSD tier recovered %d blocks from %s", len(recovered), ":".join(paths))
                 return tier, recovered
@@ -618,7 +635,7 @@ class SsdTier:
         return "foreign", head
 
     @staticmethod
-    def _write_super(p: _Path, epoch: int, fingerprint: bytes, io: IoOps) -> None:
+    def _write_super(p: _Path, epoch: int, fingerprint: bytes, io: IoOps) -> None:  # no floor: a new tier
         buf = _aligned_page()
         _SUPER.pack_into(buf, 0, SUPER_MAGIC, _FORMAT, p.index, p.slot_bytes, p.num_slots, epoch, uuid.uuid4().bytes,
                          fingerprint)
@@ -655,6 +672,27 @@ class SsdTier:
     @property
     def paths(self) -> list[str]:
         return [p.path for p in self._paths]
+
+    def set_floor(self, floor: int) -> None:
+        """Persist the reset floor ``floor`` (a sequence number taken with
+        :meth:`next_seq` under the store's lock at the reset: every header
+        written before has a lower one) in every path's superblock, synced.
+        Raises TierIOError (the caller still empties the old headers)."""
+        if floor <= self.floor:
+            return
+        for p in self._paths:
+            buf = _aligned_page()
+            try:
+                n = self._io.preadv(p.fd, [memoryview(buf)], 0)
+                if n != PAGE or bytes(buf[: len(SUPER_MAGIC)]) != SUPER_MAGIC:
+                    raise OSError(errno.EIO, f"superblock read back {n} bytes")
+                _FLOOR.pack_into(buf, _SUPER.size, _FLOOR_MAGIC, floor)
+                _write_all(self._io, p.fd, [memoryview(buf)], 0)
+                self._io.fdatasync(p.fd)
+            except OSError as err:
+                raise TierIOError(err.errno or errno.EIO,
+                                  f"{p.path}: writing the reset floor failed: {err.strerror or err}") from None
+        self.floor = floor
 
     def next_seq(self) -> int:
         with self._seq_lock:
@@ -745,12 +783,22 @@ class SsdTier:
                     parts.append((self._map.global_slots(p.index, first_slot + ok), hdr[ok].copy()))
                 del hdr
         del mv
+        self._seq = max(self._seq, self.floor)
         if not parts:
             return Recovered.empty(self.location)
         slots = np.concatenate([s for s, _ in parts])
         hdrs = np.concatenate([h for _, h in parts])
+        if self.floor:
+            # From before a reset whose emptying of headers did not reach the
+            # disk: not recovered, and their headers are emptied before the
+            # slots take other data (as unreadable ones are).
+            after = hdrs["seq"] >= self.floor
+            self.unreadable.update(self.location(int(g)) for g in slots[~after].tolist())
+            slots, hdrs = slots[after], hdrs[after]
+            if not slots.size:
+                return Recovered.empty(self.location)
         keys = np.ascontiguousarray(hdrs["key"]).view(np.uint8).reshape(-1, 16)
-        self._seq = int(hdrs["seq"].max())
+        self._seq = max(self.floor, int(hdrs["seq"].max()))
         return Recovered(slots, keys, hdrs["seq"].copy(), hdrs["checksum"].copy(), self.location)
 
     def _reread_pages(self, p: _Path, first: int, count: int, mv: memoryview) -> None:
