@@ -195,6 +195,11 @@ class TierMover(_Jobs):
         """Empty the headers of SSD ``slots`` on an I/O thread, then free them."""
         self._submit(self._invalidate, slots)
 
+    def set_floor(self, floor: int) -> None:
+        """Persist the SSD tier's reset floor on an I/O thread (a stuck disk
+        holds up the thread, never the caller beyond its wait)."""
+        self._submit(self._set_floor, floor)
+
     # --- jobs (run on the I/O threads) -----------------------------------------
 
     def _demote(self, keys: list[bytes]) -> None:
@@ -300,6 +305,13 @@ class TierMover(_Jobs):
                     refused.append(slot)
         if refused:
             self._invalidate(refused)
+
+    def _set_floor(self, floor: int) -> None:
+        assert self._ssd is not None
+        try:
+            self._ssd.set_floor(floor)
+        except TierIOError as err:
+            log.warning("kvtier: %s; the reset relies on emptying the old headers alone", err)
 
     def _invalidate(self, slots: Sequence[int] | np.ndarray) -> None:
         """Empty the headers of SSD ``slots`` (global numbers, no longer in the

@@ -89,7 +89,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvtier.movers import DEMOTE_GIVE_UP as DEMOTE_GIVE_UP  # re-exported: part of the store's contract
-from kvtier.errors import TierIOError
 from kvtier.movers import ClusterMover, PromoteJob, RemoteTier, TierMover
 from kvtier.movers import Fetched
 from kvtier.policy import EvictionPolicy, LruPolicy
@@ -795,17 +794,14 @@ class TieredStore:
             dirty = self._ssd_entries.take_dirty() if self.ssd is not None else np.zeros(0, dtype=np.int32)
             if ssd_slots.size or dirty.size:
                 self._mover.invalidate(np.concatenate([ssd_slots.astype(np.int32), dirty]))
-            # Every header written so far (demotions in flight included: their
-            # numbers are taken under this lock) is numbered below it.
-            floor = self.ssd.next_seq() if self.ssd is not None else 0
-        if floor:
-            # Recovery ignores what is numbered below the floor: nothing from
-            # before the reset comes back, even where emptying a header fails.
-            try:
-                self.ssd.set_floor(floor)
-            except TierIOError as err:
-                log.warning("kvtier: %s; the reset relies on emptying the old headers alone", err)
-        if ssd_slots.size or dirty.size:
+            if self.ssd is not None:
+                # Recovery ignores what is numbered below the floor: nothing
+                # from before the reset comes back, even where emptying a
+                # header fails. Every header written so far (demotions in
+                # flight included: their numbers are taken under this lock)
+                # is numbered below it.
+                self._mover.set_floor(self.ssd.next_seq())
+        if self.ssd is not None:
             # On disk before the reset returns: a stop right after it must
             # not find the old blocks (bounded: a reset is rare).
             self._mover.wait_idle(CLEAR_WAIT_S)
