@@ -15,6 +15,7 @@ import pytest
 
 from kvtier.cli import main as cli_main
 from kvtier.errors import ConfigError
+from kvtier.tools.client import RequestResult, hit_rates, stream_chat
 from kvtier.tools.loadgen import (
     Arrival,
     BenchOptions,
@@ -25,7 +26,6 @@ from kvtier.tools.loadgen import (
     run,
     summarize,
 )
-from kvtier.tools.client import RequestResult, hit_rates, stream_chat
 from kvtier.tools.report import markdown, write_all
 from kvtier.tools.server import free_port
 

@@ -112,3 +112,19 @@ def ssd_stores(dram: DramTier, open_ssd: Callable[[], tuple[Any, Any]],
         gates.writes.set()
         for store in stores:
             store.close()
+
+
+@contextlib.contextmanager
+def store_on_remote(tier: DramTier, remote: Any, release: Callable[[], None],
+                    **kwargs: Any) -> Iterator[TieredStore]:
+    """A store (DRAM marks 99/90) over ``tier`` whose cluster tier is
+    ``remote`` (a stand-in for Mooncake's client), once the cluster counts
+    as up; on exit ``release()`` lets any call the remote holds go, then the
+    store closes."""
+    store = TieredStore(tier, 99, 90, cluster=remote, **kwargs)
+    assert poll_until(lambda: store.cluster.up, 10)
+    try:
+        yield store
+    finally:
+        release()
+        store.close()

@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.store import TieredStore
 from kvtier.tools.server import poll_until
+from tests.unit.helpers import store_on_remote
 
 
 class SlowMaster:
@@ -62,14 +63,9 @@ class SlowMaster:
 def slow(make_tier) -> Iterator[tuple[TieredStore, SlowMaster]]:
     """A store on a cluster whose master is up and whose lookups hang until released."""
     remote = SlowMaster()
-    store = TieredStore(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), 99, 90, cluster=remote,
-                        cluster_timeout_s=0.2)
-    assert poll_until(lambda: store.cluster.up, 10)
-    try:
+    with store_on_remote(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), remote, remote.release.set,
+                         cluster_timeout_s=0.2) as store:
         yield store, remote
-    finally:
-        remote.release.set()
-        store.close()
 
 
 def test_lookups_do_not_queue_behind_one_stuck_on_the_cluster(slow: tuple[TieredStore, SlowMaster]) -> None:

@@ -20,6 +20,7 @@ import pytest
 from kvtier.store import TieredStore
 from kvtier.tier.dram import checksum
 from kvtier.tools.server import poll_until
+from tests.unit.helpers import store_on_remote
 
 RANK_BYTES = 4096
 
@@ -73,14 +74,9 @@ class GatedMaster:
 @pytest.fixture
 def node(make_tier, capacity_for) -> Iterator[tuple[TieredStore, GatedMaster]]:
     remote = GatedMaster()
-    store = TieredStore(make_tier(capacity_for(32, RANK_BYTES), RANK_BYTES), 99, 90, cluster=remote,
-                        cluster_queue_blocks=2, cluster_timeout_s=0.5)
-    assert poll_until(lambda: store.cluster.up, 10)
-    try:
+    with store_on_remote(make_tier(capacity_for(32, RANK_BYTES), RANK_BYTES), remote, remote.gate.set,
+                         cluster_queue_blocks=2, cluster_timeout_s=0.5) as store:
         yield store, remote
-    finally:
-        remote.gate.set()
-        store.close()
 
 
 def key(i: int) -> bytes:
@@ -102,21 +98,29 @@ def save_published(store: TieredStore, remote: GatedMaster, keys: list[bytes]) -
     """Save ``keys`` two at a time (the publishing room), each pair published before the next."""
     for i in range(0, len(keys), 2):
         save(store, keys[i : i + 2], 100 + i)
-        assert poll_until(lambda: set(keys[: i + 2]) <= remote.held and store.cluster.publishing == 0, 10)
+        done = set(keys[: i + 2])
+        assert poll_until(lambda: done <= remote.held and store.cluster.publishing == 0, 10)
 
 
 def check_now(store: TieredStore) -> None:
     store.cluster._wake.set()  # the health thread's next check, now rather than in a second
 
 
-def test_saves_made_during_a_resync_reach_the_cluster(node: tuple[TieredStore, GatedMaster]) -> None:
-    store, remote = node
+def start_resync(store: TieredStore, remote: GatedMaster) -> list[bytes]:
+    """Six blocks published, then the master restarted: the node publishes
+    them again, its puts held at the gate. Returns their keys."""
     old = [key(i) for i in range(6)]
     save_published(store, remote, old)
     remote.gate.clear()
     remote.restart()
     check_now(store)
     assert poll_until(lambda: remote.in_put > 0, 10)  # the resync holds the publishing room
+    return old
+
+
+def test_saves_made_during_a_resync_reach_the_cluster(node: tuple[TieredStore, GatedMaster]) -> None:
+    store, remote = node
+    old = start_resync(store, remote)
     fresh = [key(100 + i) for i in range(3)]
     save(store, fresh, 1000)
     remote.gate.set()
@@ -140,12 +144,7 @@ def test_a_resync_starts_when_the_cluster_comes_back(node: tuple[TieredStore, Ga
 
 def test_closing_in_the_middle_of_a_resync_leaves_no_pin(node: tuple[TieredStore, GatedMaster]) -> None:
     store, remote = node
-    old = [key(i) for i in range(6)]
-    save_published(store, remote, old)
-    remote.gate.clear()
-    remote.restart()
-    check_now(store)
-    assert poll_until(lambda: remote.in_put > 0, 10)
+    old = start_resync(store, remote)
     threading.Timer(0.3, remote.gate.set).start()
     store.close()  # waits for the puts in flight; no new one may start
     assert store.cluster.publishing == 0

@@ -142,7 +142,7 @@ def test_the_vllm_and_torch_versions_are_part_of_the_model(tmp_path: Path,
 
 def test_pipeline_stages_splitting_the_layers_differently_never_meet(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm.envs as envs
+    from vllm import envs
 
     model = make_model_dir(tmp_path)
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from kvtier.tools.loadgen import BenchReport
 
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.1f}"
 
