@@ -34,6 +34,7 @@ the mover only its own counts and back-off.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -378,14 +379,18 @@ class ClusterHost(Protocol):
         publishing pin."""
         ...
 
-    def _publishing_ended_locked(self) -> None:
-        """A batch of puts ended: room for more (a resync goes on)."""
+    def _publishable_locked(self, key: bytes) -> bool:
+        """Whether ``key`` is a block to publish now (held, READY, not in the cluster's current epoch)."""
         ...
 
-    def _cluster_lost_locked(self) -> None:
-        """A new epoch began with this node's mark put (again): what was
-        published before counts as unpublished; publish again what should
-        be in the cluster."""
+    def _publish_locked(self, keys: list[bytes]) -> None:
+        """Pin the publishable ``keys``, as many as the room takes, and hand them to :meth:`ClusterMover.publish`."""
+        ...
+
+    def _republish_keys_locked(self) -> list[bytes]:
+        """A new epoch began with this node's mark put (again): the blocks to
+        publish again, hottest first (none when blocks are published on
+        their way out of DRAM)."""
         ...
 
 
@@ -408,7 +413,8 @@ class ClusterMover(_Jobs):
     it, and with it (possibly) this node's blocks: a new epoch begins at
     once (nothing counts as published), and another when the mark is put
     again (the first one, at start, included), after which the store
-    publishes again what it holds (``_cluster_lost_locked``). A quick
+    publishes again what it holds (``_republish_keys_locked``), as room
+    frees, fresh saves first (:meth:`defer`). A quick
     restart is seen this way even when no health check failed.
     """
 
@@ -424,6 +430,7 @@ class ClusterMover(_Jobs):
         self.publishing = 0  # blocks handed to publish() whose put has not ended
         self.epoch = 0  # bumped when the cluster lost this node's mark and when it is put again
         self._marked = False  # the mark was put in this epoch
+        self._backlog: collections.deque[bytes] = collections.deque()  # blocks to publish again
         self._up = False
         self._closed = threading.Event()
         self._wake = threading.Event()
@@ -492,9 +499,9 @@ class ClusterMover(_Jobs):
                     log.info("kvtier cluster: reachable; lookups and publishing on")
                     with self._lock:
                         self._up = True
-                        # Publishing may go on: a resync planned while down
-                        # (the mark put again before the cluster counted as up).
-                        self._host._publishing_ended_locked()
+                        # Publishing may go on: blocks to publish again were
+                        # listed while down (the mark put before "up").
+                        self._feed_locked()
                 self._up = True
                 wait = CLUSTER_RETRY_FIRST_S
                 period = 1.0
@@ -529,7 +536,34 @@ class ClusterMover(_Jobs):
         with self._lock:
             self._marked = True
             self.epoch += 1
-            self._host._cluster_lost_locked()
+            self._backlog = collections.deque(self._host._republish_keys_locked())
+            self._feed_locked()
+
+    # --- publishing again, as room frees ------------------------------------------
+
+    @property
+    def republishing(self) -> bool:
+        """Blocks wait to be published again (under the store's lock)."""
+        return bool(self._backlog)
+
+    def defer(self, key: bytes) -> None:
+        """Publish ``key`` first once room frees (under the store's lock)."""
+        self._backlog.appendleft(key)
+
+    def _feed_locked(self) -> None:
+        """Hand waiting blocks to the store's publishing, as many as the room
+        takes (under the store's lock); dropped once closed."""
+        if self.closed:
+            self._backlog.clear()
+            return
+        room = self.room()
+        batch: list[bytes] = []
+        while self._backlog and len(batch) < room:
+            key = self._backlog.popleft()
+            if self._host._publishable_locked(key):
+                batch.append(key)
+        if batch:
+            self._host._publish_locked(batch)
 
     # --- called by the store ------------------------------------------------------
 
@@ -624,4 +658,4 @@ class ClusterMover(_Jobs):
             for key, _ in jobs:
                 self._host._end_publish_locked(key, key in done, key in bad, epoch)
             self.publishing -= len(jobs)
-            self._host._publishing_ended_locked()
+            self._feed_locked()

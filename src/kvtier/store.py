@@ -77,7 +77,6 @@ outside it.
 
 from __future__ import annotations
 
-import collections
 import enum
 import itertools
 import logging
@@ -279,9 +278,6 @@ class TieredStore:
         # store behaves exactly as without it.
         self._publish_on_evict = publish_on_evict
         self._cluster_lookup = cluster_lookup_blocks
-        # Write-through: READY blocks to publish again since the cluster lost
-        # them (a new epoch), hottest first, as the publishing room allows.
-        self._resync: collections.deque[bytes] = collections.deque()
         self._cluster = ClusterMover(self, self._lock, self._c, tier, cluster, timeout_s=cluster_timeout_s,
                                      queue_blocks=cluster_queue_blocks) if cluster is not None else None
 
@@ -1125,18 +1121,19 @@ class TieredStore:
         room = self._cluster.room()
         jobs = []
         for key in keys:
-            e = self._entries.get(key)
-            if e is None or e.state is not EntryState.READY or e.doomed or self._in_cluster(e):
+            if not self._publishable_locked(key):
                 continue
             if room <= 0:
-                if self._resync and self._cluster.up:
-                    # A resync holds the room: a fresh save goes first in its
-                    # line instead of never reaching the cluster.
-                    self._resync.appendleft(key)
+                if self._cluster.republishing and self._cluster.up:
+                    # Publishing again what a restarted master lost holds the
+                    # room: a fresh save goes first in that line instead of
+                    # never reaching the cluster.
+                    self._cluster.defer(key)
                     continue
                 self._c.cluster_publish_skipped += 1
                 continue
             room -= 1
+            e = self._entries[key]
             e.pins += 1
             jobs.append((key, e.slot))
         if jobs:
@@ -1146,32 +1143,21 @@ class TieredStore:
         """Whether ``e`` was published (or fetched) in the cluster's current epoch."""
         return self._cluster is not None and e.cluster_epoch == self._cluster.epoch
 
-    def _cluster_lost_locked(self) -> None:
+    def _publishable_locked(self, key: bytes) -> bool:
+        """Whether ``key`` is a block to hand to the cluster now: READY, not
+        doomed, not published in the cluster's current epoch."""
+        e = self._entries.get(key)
+        return e is not None and e.state is EntryState.READY and not e.doomed and not self._in_cluster(e)
+
+    def _republish_keys_locked(self) -> list[bytes]:
         # Every entry's cluster_epoch is older now. With publishing on
         # eviction nothing more is needed (victims are published on their
         # way out again); write-through publishes what DRAM holds again.
         if self._publish_on_evict:
-            return
-        victims = list(self._policy.victims())  # coldest first
-        victims.reverse()
-        self._resync = collections.deque(victims)
-        self._publishing_ended_locked()
-
-    def _publishing_ended_locked(self) -> None:
-        if not self._resync or self._cluster is None:
-            return
-        if self._cluster.closed:
-            self._resync.clear()
-            return
-        room = self._cluster.room()
-        batch: list[bytes] = []
-        while self._resync and len(batch) < room:
-            key = self._resync.popleft()
-            e = self._entries.get(key)
-            if e is not None and e.state is EntryState.READY and not e.doomed and not self._in_cluster(e):
-                batch.append(key)
-        if batch:
-            self._publish_locked(batch)
+            return []
+        keys = list(self._policy.victims())  # coldest first
+        keys.reverse()
+        return keys
 
     def _end_publish_locked(self, key: bytes, ok: bool, bad: bool, epoch: int) -> None:
         e = self._entries[key]
