@@ -141,12 +141,58 @@ def parse_path(key: str, value: object, source: str = "") -> str:
     return value.strip()
 
 
+@dataclass(frozen=True)
+class ServiceAddress:
+    """A parsed ``tcp://HOST:PORT`` or ``unix:///PATH``. Exactly one of (host, port) and unix_path is set."""
+
+    url: str
+    host: str | None = None
+    port: int | None = None
+    unix_path: str | None = None
+
+
+HOST_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
+PLACEHOLDER_RE = re.compile(r"^x{1,3}(?:\.x{1,3}){3}$", re.IGNORECASE)  # the seeds' "xx.xx.xx.xx"
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
+
+
+def parse_host_port(key: str, value: object, text: str, form: str, source: str, allow_zero: bool) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not HOST_RE.match(host) or not (port.isascii() and port.isdigit()):
+        raise ConfigError(key, value, f"expected {form}", source)
+    if PLACEHOLDER_RE.match(host):
+        raise ConfigError(key, value, "a placeholder address: write the master node's IP address here", source)
+    n = int(port)
+    if not (1025 <= n <= 65535 or (allow_zero and n == 0)):
+        allowed = "0 (any free port) or 1025 to 65535" if allow_zero else "1025 to 65535"
+        raise ConfigError(key, value, f"port must be {allowed}", source)
+    return host.strip("[]"), n
+
+
+def parse_service_url(key: str, value: object, source: str = "") -> ServiceAddress:
+    """``tcp://HOST:PORT`` (port 0: any free port, reported by the service) or ``unix:///PATH``."""
+    form = "tcp://HOST:PORT or unix:///ABSOLUTE/PATH"
+    if not isinstance(value, str):
+        raise ConfigError(key, value, f"expected {form}", source)
+    text = value.strip()
+    if text.startswith("unix://"):
+        path = text[len("unix://"):]
+        if not path.startswith("/") or path.endswith("/"):
+            raise ConfigError(key, value, "a unix socket needs an absolute file path: unix:///run/kvtier/meta.sock",
+                              source)
+        if len(path.encode()) > _SUN_PATH_MAX:
+            raise ConfigError(key, value, f"socket path longer than {_SUN_PATH_MAX} bytes", source)
+        return ServiceAddress(text, unix_path=path)
+    if text.startswith("tcp://"):
+        host, port = parse_host_port(key, value, text[len("tcp://"):], form, source, allow_zero=True)
+        return ServiceAddress(text, host=host, port=port)
+    raise ConfigError(key, value, f"expected {form}", source)
+
+
 def parse_url_value(key: str, value: object, source: str = "") -> str:
     """The meta service's ``tcp://HOST:PORT`` or ``unix:///PATH``, checked as
     the service checks its own (``ock.mmc.meta_service_url``), and a port an
     instance can connect to (not 0)."""
-    from kvtier.pool.config import parse_service_url  # the pool's config imports this module
-
     addr = parse_service_url(key, value, source)
     if addr.port == 0:
         raise ConfigError(key, value, "port 0 is for the service (any free port); give the port it listens on",

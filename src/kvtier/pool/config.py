@@ -42,13 +42,26 @@ import difflib
 import enum
 import logging
 import os
-import re
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
-from kvtier.config import (ClusterConfig, KvtierConfig, PublishOn, parse_bool, parse_enum, parse_int_range, parse_path,
-                           parse_paths, parse_size)
+from kvtier.config import (
+    HOST_RE,
+    PLACEHOLDER_RE,
+    ClusterConfig,
+    KvtierConfig,
+    PublishOn,
+    ServiceAddress,
+    parse_bool,
+    parse_enum,
+    parse_host_port,
+    parse_int_range,
+    parse_path,
+    parse_paths,
+    parse_service_url,
+    parse_size,
+)
 from kvtier.errors import ConfigError
 
 Parser = Callable[[str, object, str], object]
@@ -73,54 +86,7 @@ class Protocol(enum.Enum):
 _REFUSED_PROTOCOLS = ("device_rdma", "device_urma", "device_uboe", "device_sdma", "host_rdma", "host_urma")
 
 
-@dataclass(frozen=True)
-class ServiceAddress:
-    """A parsed ``tcp://HOST:PORT`` or ``unix:///PATH``. Exactly one of (host, port) and unix_path is set."""
-
-    url: str
-    host: str | None = None
-    port: int | None = None
-    unix_path: str | None = None
-
-
 # --- value parsers (key, raw value, "file:line") -> value --------------------
-
-_HOST = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
-_PLACEHOLDER = re.compile(r"^x{1,3}(?:\.x{1,3}){3}$", re.IGNORECASE)  # the seeds' "xx.xx.xx.xx"
-_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
-
-
-def _host_port(key: str, value: object, text: str, form: str, source: str, allow_zero: bool) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not _HOST.match(host) or not (port.isascii() and port.isdigit()):
-        raise ConfigError(key, value, f"expected {form}", source)
-    if _PLACEHOLDER.match(host):
-        raise ConfigError(key, value, "a placeholder address: write the master node's IP address here", source)
-    n = int(port)
-    if not (1025 <= n <= 65535 or (allow_zero and n == 0)):
-        allowed = "0 (any free port) or 1025 to 65535" if allow_zero else "1025 to 65535"
-        raise ConfigError(key, value, f"port must be {allowed}", source)
-    return host.strip("[]"), n
-
-
-def parse_service_url(key: str, value: object, source: str = "") -> ServiceAddress:
-    """``tcp://HOST:PORT`` (port 0: any free port, reported by the service) or ``unix:///PATH``."""
-    form = "tcp://HOST:PORT or unix:///ABSOLUTE/PATH"
-    if not isinstance(value, str):
-        raise ConfigError(key, value, f"expected {form}", source)
-    text = value.strip()
-    if text.startswith("unix://"):
-        path = text[len("unix://"):]
-        if not path.startswith("/") or path.endswith("/"):
-            raise ConfigError(key, value, "a unix socket needs an absolute file path: unix:///run/kvtier/meta.sock",
-                              source)
-        if len(path.encode()) > _SUN_PATH_MAX:
-            raise ConfigError(key, value, f"socket path longer than {_SUN_PATH_MAX} bytes", source)
-        return ServiceAddress(text, unix_path=path)
-    if text.startswith("tcp://"):
-        host, port = _host_port(key, value, text[len("tcp://"):], form, source, allow_zero=True)
-        return ServiceAddress(text, host=host, port=port)
-    raise ConfigError(key, value, f"expected {form}", source)
 
 
 def _parse_tcp_url(key: str, value: object, source: str = "") -> str:
@@ -128,7 +94,7 @@ def _parse_tcp_url(key: str, value: object, source: str = "") -> str:
     text = str(value).strip()
     if not text.startswith("tcp://"):
         raise ConfigError(key, value, "expected tcp://HOST:PORT", source)
-    _host_port(key, value, text[len("tcp://"):], "tcp://HOST:PORT", source, allow_zero=False)
+    parse_host_port(key, value, text[len("tcp://"):], "tcp://HOST:PORT", source, allow_zero=False)
     return text
 
 
@@ -138,7 +104,7 @@ def _parse_metrics_url(key: str, value: object, source: str = "") -> tuple[str, 
     bare = text.removeprefix("http://").removesuffix("/")
     if "/" in bare:
         raise ConfigError(key, value, "expected http://HOST:PORT or HOST:PORT (plain HTTP, no path)", source)
-    return _host_port(key, value, bare, "http://HOST:PORT or HOST:PORT", source, allow_zero=False)
+    return parse_host_port(key, value, bare, "http://HOST:PORT or HOST:PORT", source, allow_zero=False)
 
 
 def _parse_protocol(key: str, value: object, source: str = "") -> Protocol:
@@ -230,7 +196,7 @@ def _parse_cluster_protocol(key: str, value: object, source: str = "") -> str:
 
 def _parse_host(key: str, value: object, source: str = "") -> str:
     text = str(value).strip()
-    if not _HOST.match(text) or _PLACEHOLDER.match(text):
+    if not HOST_RE.match(text) or PLACEHOLDER_RE.match(text):
         raise ConfigError(key, value, "expected this node's IP address or host name, reachable by the other nodes",
                           source)
     return text.strip("[]")
@@ -247,7 +213,7 @@ def _parse_etcd(key: str, value: object, source: str = "") -> str:
         if part.startswith("https://"):
             raise ConfigError(key, value, "etcd over TLS is not supported by Mooncake's client: http:// or "
                               "HOST:PORT", source)
-        host, port = _host_port(key, value, part.removeprefix("http://"), "HOST:PORT;HOST:PORT", source,
+        host, port = parse_host_port(key, value, part.removeprefix("http://"), "HOST:PORT;HOST:PORT", source,
                                 allow_zero=False)
         out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     return ";".join(out)
