@@ -113,9 +113,18 @@ def assert_loads_succeeded(before: dict[str, float], after: dict[str, float], hi
     runs, and a float32 recompute gives the same text: hit counters and text
     alone pass when every load fails. Loads that succeeded show as blocks
     loaded (each rank counts its share of every block) and no load error.
+
+    A request that vLLM preempts and schedules again loads its prefix again,
+    but vLLM counts the hits of a preempted request apart, in figures it does
+    not export: with preemptions in the window, kvtier loads more blocks than
+    the hit counter shows, never fewer.
     """
     assert delta(after, before, "kvtier_load_errors_total") == 0
-    assert delta(after, before, "kvtier_blocks_loaded_total") == hit_tokens // BLOCK * ranks
+    loaded = delta(after, before, "kvtier_blocks_loaded_total")
+    if delta(after, before, "vllm:num_preemptions_total") == 0:
+        assert loaded == hit_tokens // BLOCK * ranks
+    else:
+        assert loaded >= hit_tokens // BLOCK * ranks
     assert delta(after, before, "kvtier_corrupt_blocks_total") == 0
 
 
