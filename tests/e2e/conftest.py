@@ -20,6 +20,10 @@ from kvtier.tools.server import ServerOptions, VllmServer, vllm_shm_files
 BLOCK = 64
 DEVICE_BLOCKS = 40  # a device cache of 2,560 tokens: too small for the working set
 CHUNK = 512  # prefill chunk, shorter than every long prompt here
+# Tests that count SSD or cluster hits exactly: vLLM waits for the whole
+# promotion to DRAM, not the default 5 s after which the scheduler takes
+# the part that has arrived (a loaded machine's first reads can be slower).
+PROMOTE_WAIT = {"promote_timeout_s": "60s"}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -36,7 +36,8 @@ pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[
 
 from kvtier.tools.meta import MetaProcess  # noqa: E402
 from kvtier.tools.server import VllmServer, free_port, parse_metrics, poll_until  # noqa: E402
-from tests.e2e.conftest import BLOCK, assert_loads_succeeded, complete, delta, server_options, tokens  # noqa: E402
+from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta,  # noqa: E402
+                                server_options, tokens)
 from tests.netns import NodeLink, announce  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -91,7 +92,7 @@ class Node:
             self.meta.start()
 
     def start_instance(self) -> VllmServer:
-        opts = server_options(self.model, {"backend": "memcache"}, env=self.meta.env_for_clients()
+        opts = server_options(self.model, {"backend": "memcache", **PROMOTE_WAIT}, env=self.meta.env_for_clients()
                               | {"VLLM_LOG_STATS_INTERVAL": "1"})
         with self.link.inside(self.number):  # vLLM in the node's namespace; waits for it there
             self.server = VllmServer(opts, log_path=self.folder / "vllm.log").start()

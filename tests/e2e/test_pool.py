@@ -24,7 +24,8 @@ import pytest
 
 from kvtier.tools.meta import MetaProcess
 from kvtier.tools.server import VllmServer, free_port, parse_metrics
-from tests.e2e.conftest import BLOCK, assert_loads_succeeded, complete, delta, server_options, tokens
+from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta, server_options,
+                                tokens)
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +69,7 @@ class Node:
         self.servers: dict[str, VllmServer] = {}
 
     def instance(self, name: str) -> VllmServer:
-        opts = server_options(self.model, {"backend": "memcache"}, env=self.meta.env_for_clients()
+        opts = server_options(self.model, {"backend": "memcache", **PROMOTE_WAIT}, env=self.meta.env_for_clients()
                               | {"VLLM_LOG_STATS_INTERVAL": "1"})
         srv = VllmServer(opts, log_path=self.folder / f"vllm-{name}.log")
         self.servers[name] = srv
@@ -101,6 +102,24 @@ def wait_running(*servers: VllmServer, timeout_s: float = 120) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("no request started running")
+
+
+RECONNECTED = "kvtier: reconnected to the meta service"
+
+
+def reconnects(srv: VllmServer) -> int:
+    return srv.log_text().count(RECONNECTED)
+
+
+def wait_reconnected(srv: VllmServer, seen: int, timeout_s: float = 60) -> None:
+    """Until ``srv``'s scheduler has its new session in use: the service
+    lists a client at its hello, before the client has read the answer, and
+    a request scheduled in between would miss."""
+    deadline = time.monotonic() + timeout_s
+    while reconnects(srv) <= seen:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{srv.url} did not reconnect to the meta service")
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +190,10 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
     # index; the instances reconnect on their own and hits resume.
     # Prompts 0, 2 and 4 never ran on B.
     mark = len(node.meta.log_text())
+    seen = reconnects(b)
     node.meta.start()
     assert len(node.wait_clients(2)["clients"]) == 2
+    wait_reconnected(b, seen)
     log = node.meta.log_text()[mark:]
     assert re.search(r"[1-9]\d* blocks adopted from the old arena", log)
     arena = re.search(r"DRAM pool (\S+),", log).group(1)
@@ -189,8 +210,10 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
     node.meta.kill()
     os.unlink(arena)
     mark = len(node.meta.log_text())
+    seen = reconnects(b)
     node.meta.start()
     assert len(node.wait_clients(2)["clients"]) == 2
+    wait_reconnected(b, seen)
     log = node.meta.log_text()[mark:]
     assert "adopted" not in log and re.search(r"SSD tier on .*, [1-9]\d* blocks recovered", log)
     before = b.metrics()

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvtier.tools.serve import STATE_FILE, process_start_time
-from kvtier.tools.server import parse_metrics, session_pids, vllm_shm_files
+from kvtier.tools.server import parse_metrics, poll_until, session_pids, vllm_shm_files
 from tests.e2e.conftest import BLOCK, CHUNK, DEVICE_BLOCKS, assert_loads_succeeded, complete, delta, tokens
 
 pytestmark = pytest.mark.e2e
@@ -74,6 +74,10 @@ def test_serve_two_instances_one_pool_then_stop_leaves_nothing(tiny_model: str, 
 
         prompt = tokens(5, 18 * BLOCK + 3)
         first = complete(a, prompt)
+        # A's word that its saves are written goes without waiting for an
+        # answer, on A's connection: B asks once the service has settled them.
+        assert poll_until(lambda: httpx.get(metrics_url + "/health", timeout=10).json()["slots"]
+                          ["unsettled_entries"] == 0, 60)
         before = parse_metrics(httpx.get(b.url + "/metrics", timeout=10).text)
         on_b = complete(b, prompt)
         after = parse_metrics(httpx.get(b.url + "/metrics", timeout=10).text)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.tools.server import VllmServer
-from tests.e2e.conftest import BLOCK, assert_loads_succeeded, complete, delta, hit_after_eviction, server_options, tokens
+from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta, hit_after_eviction,
+                                server_options, tokens)
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +20,7 @@ DEVICE = 'vllm:prompt_tokens_cached_by_source_total{source="device"}'
 def ssd_options(model: str, ssd: Path, **extra: object):
     # float32 blocks of the tiny model are 512 KiB: 16 MiB of DRAM holds ~31
     # blocks, less than one prompt plus the fillers, so repeats come from SSD.
-    cfg = {"dram_size": "16MB", "ssd_path": str(ssd), "ssd_size": "256MB", **extra}
+    cfg = {"dram_size": "16MB", "ssd_path": str(ssd), "ssd_size": "256MB", **PROMOTE_WAIT, **extra}
     return server_options(model, cfg)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,6 +164,34 @@ def test_a_dead_instance_gives_back_its_pins_and_unwritten_slots(service: MetaSe
     assert (acc["held"], acc["free"]) == (0, free_before)
     assert b.probe(ks).ready == 6  # the other instance's blocks are untouched
     assert b.probe(keys(5, 3)).total == 0  # the dead one's unwritten saves never appear
+
+
+def test_a_gone_instance_is_listed_until_its_holds_are_released(service: MetaService, monkeypatch) -> None:
+    """/health lists a client while the pool still holds something for it:
+    one seen gone has nothing left pinned or unsettled (a check read
+    between the two used to see one client and unsettled slots)."""
+    a, b = client(service, name="a"), client(service, name="b")
+    save(b, keys(6, 2), step=1)
+    assert None not in a.pin(keys(6, 2), step=1)
+    assert None not in a.prepare_save(keys(7, 3), step=1)
+    entered, gate = threading.Event(), threading.Event()
+    release = service.store.end_session
+
+    def slow_release(*args: object, **kw: object) -> tuple[int, int]:
+        entered.set()
+        gate.wait(30)
+        return release(*args, **kw)
+
+    monkeypatch.setattr(service.store, "end_session", slow_release)
+    a._closed.set()  # the process is gone: its socket closes, nothing more is said
+    a._sock.close()  # type: ignore[union-attr]
+    assert entered.wait(10)
+    assert sorted(s.name for s in service.sessions()) == ["a", "b"]
+    gate.set()
+    assert poll_until(lambda: len(service.sessions()) == 1, 10)
+    acc = service.accounting()
+    assert [s.name for s in service.sessions()] == ["b"]
+    assert (acc["pins"], acc["pending"], acc["pinned_entries"], acc["unsettled_entries"]) == (0, 0, 0, 0)
 
 
 def test_a_silent_session_loses_its_lease(tmp_path: Path) -> None:

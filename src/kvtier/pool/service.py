@@ -497,11 +497,16 @@ class MetaService:
                 if s.ended:
                     return
                 s.ended = True
-                self._sessions.pop(s.id, None)
                 store = self.store
             pins = pending = 0
-            if store is not None:
-                pins, pending = store.end_session(s.id, hold_until=time.monotonic() + self._grace_s)
+            try:
+                if store is not None:
+                    pins, pending = store.end_session(s.id, hold_until=time.monotonic() + self._grace_s)
+            finally:
+                # Listed until its pins and saves are released: a client
+                # gone from /health has nothing left in the pool.
+                with self._lock:
+                    self._sessions.pop(s.id, None)
         log.info("kvtier meta: session %d (%s) ended: %s; %d pins released, %d unwritten saves dropped",
                  s.id, s.name, why, pins, pending)
         try:
