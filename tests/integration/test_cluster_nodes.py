@@ -162,7 +162,11 @@ def test_a_block_saved_on_node_1_is_a_cluster_hit_on_node_2(nodes: tuple[Node, N
         save(a, ks, 1, fill=5)
         wait_for(lambda: n1.metrics().get('kvtier_cluster_events_total{event="published"}', 0) >= 4, 30,
                  "node 1 to publish")
-        p = b.probe(ks)
+        # A lookup that outlives the 2 s timeout finds nothing (and adds no
+        # hit): asked until one is answered.
+        seen = []
+        wait_for(lambda: seen.append(b.probe(ks)) or seen[-1].total > 0, 60, "node 2 to find the blocks")
+        p = seen[-1]
         assert (p.ready, p.total, p.remote) == (0, 4, 4)
         assert fetched(b, ks) == 4
         slots = b.pin(ks, 1)

@@ -1,6 +1,7 @@
 """Helpers shared by several test modules (fixtures shared by the unit tests are in conftest.py).
 
 * :func:`wait_for`: poll a condition up to a deadline (a bound against hangs, not a timing assert);
+* :func:`freeze`: SIGSTOP a process and wait until every thread of it has stopped;
 * :class:`FakeRequest`, :class:`FakeBlocks`: the parts of vLLM's request and
   block objects that the connector's scheduler half reads;
 * :class:`JsonLineProcess`: a helper process of a test that answers one JSON
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +34,25 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 30.0, what: str = "con
     naming ``what`` past ``timeout_s``."""
     if not poll_until(cond, timeout_s, interval_s):
         raise AssertionError(f"timed out waiting for {what}")
+
+
+def freeze(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP ``pid`` and wait until all its threads are stopped: the
+    signal is delivered asynchronously, and a thread still running could
+    answer a request sent right after kill() returned."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # a thread that ended meanwhile
+        return bool(states) and all(st in ("T", "t") for st in states)
+
+    wait_for(stopped, timeout_s, f"process {pid} to stop")
 
 
 @dataclass

@@ -374,8 +374,9 @@ def test_peer_node_killed_is_a_miss_counted_and_the_store_lives(make_tier, peer:
         # The master forgets a dead client's segment only after its client
         # TTL (seconds): the fetches planned from the lookup go to the dead node.
         assert store.promote(keys) == 4
-        wait_for(lambda: store.wait_idle(0.1), timeout_s=store.cluster.timeout_s,
-                 what="the fetches from the dead node to end within the store's timeout")
+        # Each fetch gives up after the store's timeout (5 s): a bound of 60 s
+        # tells a fetch that ends from one that waits for the dead node forever.
+        wait_for(lambda: store.wait_idle(0.1), timeout_s=60, what="the fetches from the dead node to end")
         assert store.probe(keys).ready == 0
         assert all(not store.contains(k) for k in keys)
         c = store.counters()

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 import uuid
@@ -36,7 +37,7 @@ from kvtier.config import ClusterConfig  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
 from kvtier.tools.server import ServerError, free_port, parse_metrics  # noqa: E402
-from tests.unit.helpers import JsonLineProcess, wait_for  # noqa: E402
+from tests.unit.helpers import JsonLineProcess, freeze, wait_for  # noqa: E402
 
 CLIENT = Path(__file__).with_name("cluster_ha_client.py")
 
@@ -52,8 +53,11 @@ class Etcd:
         client, peer = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{client}"
         self.log = folder / "etcd.log"
+        # Its data in memory: etcd fsyncs its log on every write, and a slow
+        # disk (CI) must not make the masters' elections or reads time out.
+        self.data = tempfile.mkdtemp(prefix="kvtier-test-etcd-", dir="/dev/shm")
         self.proc = subprocess.Popen(
-            [program, "--name", "kvtier-test", "--data-dir", str(folder / "etcd-data"),
+            [program, "--name", "kvtier-test", "--data-dir", self.data,
              "--listen-client-urls", f"http://{self.endpoint}",
              "--advertise-client-urls", f"http://{self.endpoint}",
              "--listen-peer-urls", f"http://127.0.0.1:{peer}",
@@ -70,6 +74,7 @@ class Etcd:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        shutil.rmtree(self.data, ignore_errors=True)
 
 
 @pytest.fixture
@@ -156,6 +161,14 @@ def _etcd_post(endpoint: str, path: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def leader_now(endpoint: str) -> str | None:
+    """The leading master etcd names, None while none does or etcd is slow to answer."""
+    try:
+        return etcd.leader(endpoint, timeout_s=10)
+    except ConfigError:
+        return None
+
+
 def leader_lease(endpoint: str) -> str:
     """The id of the etcd lease the leading master holds its key under."""
     key = base64.b64encode(etcd.leader_key().encode()).decode()
@@ -184,14 +197,15 @@ def test_standby_master_takes_over_when_the_leader_is_killed(etcd_server: Etcd, 
             for started in [pool.submit(n.proc.start) for n in nodes]:
                 started.result()
         # One leads (etcd names it), the other stands by with its RPC port closed.
-        wait_for(lambda: etcd.leader(etcd_server.endpoint) in {n.address for n in nodes}, 30,
+        wait_for(lambda: leader_now(etcd_server.endpoint) in {n.address for n in nodes}, 30,
                  "a leader in etcd")
-        leader = next(n for n in nodes if n.address == etcd.leader(etcd_server.endpoint))
+        leader = next(n for n in nodes if n.address == leader_now(etcd_server.endpoint))
         standby = next(n for n in nodes if n is not leader)
         wait_for(lambda: leader.role() == "leader" and standby.role() == "standby", 30,
                  "leader and standby roles")
         # Each node's /metrics says which its master is.
-        assert (leader.metrics_role(), standby.metrics_role()) == (["leader"], ["standby"])
+        wait_for(lambda: (leader.metrics_role(), standby.metrics_role()) == (["leader"], ["standby"]), 30,
+                 "each node's /metrics to name its master's role")
 
         client.wait_ready()
         assert client.round_trip(seed=1, n=4)
@@ -206,9 +220,9 @@ def test_standby_master_takes_over_when_the_leader_is_killed(etcd_server: Etcd, 
         # client has followed it and mounted its segment there again.
         seeds = iter(range(100, 10_000))
         wait_for(lambda: client.round_trip(seed=next(seeds), n=4), 90, "puts and gets through the standby")
-        assert etcd.leader(etcd_server.endpoint) == standby.address
-        assert standby.role() == "leader"
-        assert standby.metrics_role() == ["leader"]
+        wait_for(lambda: leader_now(etcd_server.endpoint) == standby.address, 30, "etcd to name the standby")
+        wait_for(lambda: standby.role() == "leader" and standby.metrics_role() == ["leader"], 30,
+                 "the standby to say it leads")
         # The new leader's index starts empty (no oplog): blocks put before
         # the takeover are misses, never wrong bytes.
         assert set(client.do(op="get", seed=1, n=4)["got"]) <= {"gone", "ok"}
@@ -279,22 +293,28 @@ def test_a_stopped_leader_is_not_joined(etcd_server: Etcd, tmp_path: Path) -> No
 
     cfg = ClusterConfig(master_port=free_port(), master_metrics_port=free_port(),
                         etcd_endpoints=etcd_server.endpoint)
+    def leader_answers(cfg: ClusterConfig) -> bool:
+        try:
+            return _ha_leader(cfg) == cfg.master_address
+        except ClusterError:
+            return False
+
     sup = MasterSupervisor(cfg, log_path=tmp_path / "master.log")
     sup.start()
     try:
-        wait_for(lambda: etcd.leader(etcd_server.endpoint) == cfg.master_address, 30, "the master to lead")
+        wait_for(lambda: leader_now(etcd_server.endpoint) == cfg.master_address, 30, "the master to lead")
         # Elected, it serves a few seconds later (Mooncake waits out a lease period first).
         wait_for(lambda: answers("127.0.0.1", cfg.master_port), 30, "the leader to serve")
-        assert _ha_leader(cfg) == cfg.master_address
+        wait_for(lambda: leader_answers(cfg), 30, "the leader to be joined")
         pid = sup.pid
         assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
         try:
-            assert etcd.leader(etcd_server.endpoint) == cfg.master_address  # still named there
+            freeze(pid)
+            assert leader_now(etcd_server.endpoint) == cfg.master_address  # still named there
             with pytest.raises(ClusterError, match="does not answer"):
                 _ha_leader(cfg)
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert _ha_leader(cfg) == cfg.master_address
+        wait_for(lambda: leader_answers(cfg), 30, "the resumed leader to answer")
     finally:
         sup.stop()

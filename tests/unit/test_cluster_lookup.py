@@ -74,18 +74,23 @@ def test_lookups_do_not_queue_behind_one_stuck_on_the_cluster(slow: tuple[Tiered
         # The health check says "up" again right after each timeout.
         assert poll_until(lambda: store.cluster.up, 10)
         assert store.probe([os.urandom(16)]).total == 0
+    assert poll_until(lambda: remote.busy, 10)
     assert remote.calls == 1 and store.counters()["cluster_down"] >= 1
     # The master answers again: the next lookup is the second one it
     # gets; the nine made while the first was stuck were never sent (they
     # would have queued behind it, each waiting its own timeout).
     remote.release.set()
-    assert poll_until(lambda: store.probe([os.urandom(16)]) is not None and remote.calls >= 2, 10)
+    assert poll_until(lambda: store.cluster._asking[0].done(), 10)
+    store.cluster.timeout_s = 30  # the next lookup is answered, however late its thread runs
+    assert poll_until(lambda: store.cluster.up, 10)
+    assert store.probe([os.urandom(16)]).total == 0
     assert remote.calls == 2
 
 
 def test_the_client_is_not_closed_under_a_lookup_still_running(slow: tuple[TieredStore, SlowMaster]) -> None:
     store, remote = slow
     assert store.probe([os.urandom(16)]).total == 0  # timed out; the call still runs
+    assert poll_until(lambda: remote.busy, 10)  # running, not queued (close would cancel a queued one)
     store.close()
     assert not remote.closed and not remote.closed_under_a_call
 

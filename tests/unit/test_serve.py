@@ -80,9 +80,10 @@ def test_a_config_dir_without_its_files_is_named(tmp_path: Path) -> None:
 def test_an_instance_that_dies_is_reported_with_its_log_and_everything_stops(tmp_path: Path) -> None:
     conf = tmp_path / "conf"
     conf.mkdir()
+    port, metrics = free_port(), free_port()  # picked here: the service binds them in a moment
     for name in ("mmc-meta.conf", "mmc-local.conf"):
-        (conf / name).write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{PORT}\n"
-                                 f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{METRICS}\n"
+        (conf / name).write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+                                 f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{metrics}\n"
                                  "ock.mmc.local_service.dram.size = 4MB\nock.mmc.local_service.world_size = 1\n")
     lines: list[str] = []
     s = Serve(str(tmp_path / "no-such-model"), 1, tmp_path / "logs", str(conf), ["--max-model-len", "64"],
@@ -101,9 +102,6 @@ def test_an_instance_that_dies_is_reported_with_its_log_and_everything_stops(tmp
     assert process_start_time(meta_pid) is None
     assert not (tmp_path / "logs" / STATE_FILE).exists()
     assert (tmp_path / "logs" / "meta.log").exists() and (tmp_path / "logs" / "vllm-0.log").exists()
-
-
-PORT, METRICS = free_port(), free_port()
 
 
 def test_worker_node_of_the_cluster_runs_the_local_role(tmp_path: Path) -> None:
