@@ -209,6 +209,51 @@ def test_a_step_that_only_loads_is_reported_once_its_copies_end(device_worker) -
     assert step(w, StepPlan(step=2, arena=tier.path)).done == {1: 1}
 
 
+class LateCopy:
+    """A device load's completion event, for a DMA that runs late: its
+    copies happen when it is waited for, after ``meanwhile``."""
+
+    def __init__(self, copy, meanwhile) -> None:  # noqa: ANN001
+        self.copy, self.meanwhile, self.done = copy, meanwhile, False
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.meanwhile()
+            self.copy()
+            self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_device_load_is_checked_after_its_copy_read_the_slot(device_worker) -> None:
+    """A slot rewritten between the plan and the DMA (its pin lost with the
+    session, the slot given to another key) is a load error: the checksum
+    pass waits for the copies, and does not pass the bytes the slot held
+    before the DMA read it."""
+    w, tier, stream = device_worker
+    tier.clear(2, KEY_C)
+    tier.rank_view(2, 0).fill_(1)
+    tier.seal(2, KEY_C, 0, checksum(tier.rank_view(2, 0), KEY_C))
+
+    def reused() -> None:  # another instance's save into the same slot
+        tier.clear(2, KEY_A)
+        tier.rank_view(2, 0).fill_(2)
+        tier.seal(2, KEY_A, 0, checksum(tier.rank_view(2, 0), KEY_A))
+
+    late: list[LateCopy] = []
+
+    def load(layers, layout, block_ids, slots, slot_ids) -> LateCopy:  # noqa: ANN001
+        late.append(LateCopy(lambda: Stream.load(stream, layers, layout, block_ids, slots, slot_ids), reused))
+        return late[-1]
+
+    stream.load = load
+    w.start_load_kv(StepPlan(step=1, arena=tier.path, loads=[BlockCopy(5, 2, KEY_C)]))
+    errors = w.get_block_ids_with_load_errors()
+    assert [c.done for c in late] == [True]  # the check waited for the copies
+    assert errors == {5}
+
+
 def test_saves_queued_into_an_arena_left_behind_are_not_sealed_in_the_next(device_worker, capacity_for,
                                                                             shm_path) -> None:
     """A plan naming another arena (a restarted meta service) while a step's

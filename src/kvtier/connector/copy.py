@@ -216,8 +216,9 @@ class StreamCopies:
        for this stream's earlier work, so no kernel of the new step writes
        a block that a save of an earlier step is still reading (vLLM may
        have freed and reallocated it: preemption frees without asking);
-    2. :meth:`load` queues every layer's host-to-device copies and records
-       one event per layer; :meth:`wait_layer` (vLLM's
+    2. :meth:`load` queues every layer's host-to-device copies, records
+       one event per layer and returns one recorded after them all (the
+       checksum pass waits for it); :meth:`wait_layer` (vLLM's
        ``wait_for_layer_load``) makes vLLM's stream wait for that layer's
        event only, so the first layers compute while later ones load;
     3. :meth:`save_layer` (vLLM's ``save_kv_layer``, right after a layer's
@@ -239,7 +240,10 @@ class StreamCopies:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def load(self, layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
-             slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
+             slots: torch.Tensor, slot_ids: Sequence[int]) -> torch.cuda.Event:
+        """Queue the loads; returns an event that completes once every copy
+        has read its slot (the slots' checksums are verified after it: a
+        slot rewritten before the DMA read it must not pass)."""
         # The blocks were allocated for this step; work vLLM queued before
         # (earlier steps) may still use them.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -249,6 +253,9 @@ class StreamCopies:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
                 self._layer_ready[i] = ready
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
 
     def wait_layer(self, index: int) -> None:
         """vLLM's stream waits for layer ``index``'s loads (no host wait)."""

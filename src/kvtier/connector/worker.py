@@ -261,11 +261,12 @@ class WorkerSide:
         checked = self.verify_checksums and self._copies is None and can_check_while_copying(self._layers,
                                                                                              self.layout)
         bad: list[BlockCopy] = []
+        copied: Any = None  # device copies: the event after which every slot has been read
         try:
             if self._copies is not None:
                 if good:
-                    self._copies.load(self._layers, self.layout, [c.block_id for c in good], self._slots,
-                                      [c.slot for c in good])
+                    copied = self._copies.load(self._layers, self.layout, [c.block_id for c in good],
+                                               self._slots, [c.slot for c in good])
                     self._loaded_step = plan.step
             elif checked:
                 # CPU: each block's checksum right after its copy, from the
@@ -309,16 +310,34 @@ class WorkerSide:
             # drops the token this step sampled and recomputes the block, so
             # nothing computed from it is ever served. Verifying before the
             # copy put the whole pass on the critical path (docs/benchmarks.md).
-            self._verifying = self._verifier().submit(self._verify, good)
+            # Device copies are asynchronous: the pass waits until the DMA
+            # has read the slots, so that a slot rewritten before the copy
+            # read it (its pin lost with the session) fails the check; hashed
+            # while the copy was still queued, it passed on the old bytes.
+            self._verifying = self._verifier().submit(self._verify, good, copied)
             self._verifying_copies = good
         self._stats.add("load_seconds", time.perf_counter() - t0)
 
     def _verifier(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify")
+            device = self._layers[0].device if self._layers else None
+
+            def on_device() -> None:
+                if device is not None and device.type == "cuda":
+                    torch.cuda.set_device(device)  # else the runtime would open a context on device 0
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify", initializer=on_device)
         return self._pool
 
-    def _verify(self, copies: list[BlockCopy]) -> list[BlockCopy]:
+    def _verify(self, copies: list[BlockCopy], copied: Any = None) -> list[BlockCopy]:
+        """The copies whose slot fails its key or checksum check, once
+        ``copied`` (an event of the device copies, or None) has completed."""
+        if copied is not None:
+            try:
+                copied.synchronize()
+            except Exception:  # noqa: BLE001 - a copy whose end is unknown is not a good load
+                log.exception("kvtier: waiting for %d device loads failed", len(copies))
+                return list(copies)
         bad = []
         for c in copies:
             try:
