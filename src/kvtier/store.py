@@ -190,6 +190,7 @@ class EventCounts:
     cluster_publish_skipped: int = 0  # not published: too many puts in flight, or left DRAM unpublished
     cluster_down: int = 0  # times the cluster became unreachable
     cluster_lost: int = 0  # times the cluster lost this node's mark (master restarted): published blocks published again
+    pins_expired: int = 0  # pins released because their step stayed open past the lease (expire_pins)
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ class TieredStore:
         # Re-entrant: a job's done-callback may run on the thread that submitted it.
         self._lock = threading.RLock()
         self._pins: dict[int, dict[int, list[bytes]]] = {}
+        self._pinned_at: dict[tuple[int, int], float] = {}  # (owner, step) -> time.monotonic() of its first pin
         self._freeing = 0  # entries being written to SSD that are evicted (freed once written)
         # Above this many entries, the least recently used blocks are copied to
         # SSD ahead of need ("cleaned"), so that eviction later frees them at
@@ -462,6 +464,7 @@ class TieredStore:
         out: list[int | None] = []
         with self._lock:
             pinned = self._pins.setdefault(owner, {}).setdefault(step, [])
+            self._pinned_at.setdefault((owner, step), time.monotonic())
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or e.state is not EntryState.READY or e.doomed:
@@ -597,7 +600,8 @@ class TieredStore:
                         self._sync_dirty(key, e)
                         if self._cluster is not None and not self._publish_on_evict:
                             saved.append(key)
-            for _, keys in self._take_steps(self._pins, owner, step):
+            for s, keys in self._take_steps(self._pins, owner, step):
+                self._pinned_at.pop((owner, s), None)
                 self._unpin(keys)
             if saved:
                 self._publish_locked(saved)
@@ -628,7 +632,8 @@ class TieredStore:
         """
         with self._lock:
             unpinned = 0
-            for keys in self._pins.pop(owner, {}).values():
+            for s, keys in self._pins.pop(owner, {}).items():
+                self._pinned_at.pop((owner, s), None)
                 self._unpin(keys)
                 unpinned += len(keys)
             free_before = len(self._free)
@@ -639,6 +644,30 @@ class TieredStore:
                 self._held.append((hold_until, self._free[free_before:]))
                 del self._free[free_before:]
             return unpinned, dropped
+
+    def expire_pins(self, older_than: float) -> int:
+        """Release the pins of every step first pinned before ``older_than``
+        (``time.monotonic()``) and not completed since: an instance whose
+        engine is stuck but whose session lives (its client still pings)
+        would otherwise keep them, and their blocks, forever. A load that
+        still reads such a slot later is checked against its key and
+        checksum after its copy, and fails if the slot was reused. Returns
+        how many pins were released; a later :meth:`complete_step` of those
+        steps finds nothing left to unpin."""
+        with self._lock:
+            n = 0
+            for (owner, step), since in list(self._pinned_at.items()):
+                if since >= older_than:
+                    continue
+                del self._pinned_at[(owner, step)]
+                steps = self._pins.get(owner, {})
+                keys = steps.pop(step, [])
+                if not steps:
+                    self._pins.pop(owner, None)
+                self._unpin(keys)
+                n += len(keys)
+            self._c.pins_expired += n
+            return n
 
     def hold_slots(self, slots: Iterable[int], until: float) -> int:
         """Take free ``slots`` out of use until ``until`` (see :meth:`end_session`):
@@ -1221,7 +1250,7 @@ class TieredStore:
             "promote_failures": c.promote_failures, "ssd_corrupt_blocks": c.ssd_corrupt,
             "ssd_read_errors": c.ssd_read_errors,
             "ssd_evictions": c.ssd_evictions, "corrupt_blocks": c.corrupt_dram,
-            "ssd_write_give_ups": c.ssd_write_give_ups,
+            "ssd_write_give_ups": c.ssd_write_give_ups, "pins_expired": c.pins_expired,
             "dram_slots_used": self.used_slots,
             "dram_slots_total": self.tier.num_slots, "ssd_slots_used": len(self._ssd_entries),
             "ssd_slots_total": self.ssd.num_slots if self.ssd else 0,

@@ -224,6 +224,29 @@ def test_a_silent_session_loses_its_lease(tmp_path: Path) -> None:
         svc.stop()
 
 
+def test_pins_of_a_step_left_open_end_with_the_lease_while_the_session_lives(tmp_path: Path) -> None:
+    """An instance whose engine is stuck but whose client still pings: its
+    pins end after a lease (their blocks could never be evicted otherwise),
+    its session stays, and its late report of the step is harmless."""
+    svc = start(tmp_path, lease_ttl_ms=2000)
+    try:
+        a, b = client(svc, name="a"), client(svc, name="b")
+        ks = keys(8, 3)
+        save(b, ks, step=1)
+        assert None not in a.pin(ks, step=4)  # step 4 never completes
+        assert svc.accounting()["pins"] == 3
+        assert poll_until(lambda: svc.accounting()["pins"] == 0, 30)
+        acc = svc.accounting()
+        assert acc["pinned_entries"] == 0 and svc.store.counters()["pins_expired"] == 3
+        assert svc.sessions_expired == 0 and sorted(s.name for s in svc.sessions()) == ["a", "b"]
+        a.complete_step(4)  # the engine comes back: nothing left to release
+        assert a.flush()
+        assert svc.accounting()["pinned_entries"] == 0
+        assert a.probe(ks).ready == 3 and None not in a.pin(ks, step=5)
+    finally:
+        svc.stop()
+
+
 def test_leases_keep_ending_after_a_pass_of_the_lease_thread_failed(tmp_path: Path, monkeypatch) -> None:
     svc = start(tmp_path, lease_ttl_ms=2000)
     try:

@@ -7,6 +7,8 @@ owner, and ``end_session`` forgets a dead owner's pins and PENDING entries.
 
 from __future__ import annotations
 
+import time
+
 from kvtier.store import TieredStore
 from tests.unit.test_store import SLOTS, K, make_store, tier  # noqa: F401 - fixtures used by name
 
@@ -166,6 +168,31 @@ def test_end_session_releases_pins_so_entries_can_be_evicted(make_store) -> None
     got = store.prepare_save(new, 3, owner=B)
     assert None not in got and got.placed == 4
     assert store.evictions > 0
+
+
+def test_pins_of_a_step_open_past_the_lease_are_released_once(make_store) -> None:
+    """An instance whose engine is stuck while its session lives: the pins
+    of its open step end (their blocks can be evicted again), the others'
+    stay, and its late completion of that step releases nothing twice."""
+    store = make_store()  # evicts above 19 slots used, down to 17
+    keys = [K(i) for i in range(19)]
+    save_ready(store, keys, 1, owner=B)
+    assert None not in store.pin(keys, 8, owner=A)
+    assert store.pin([K(0)], 3, owner=B) is not None
+    cut = time.monotonic()  # the lease's start: steps first pinned before it have outlived it
+    assert store.expire_pins(cut - 60) == 0  # nothing is that old
+    assert store.session_holds(A) == (19, 0)
+    newer = store.pin([K(1)], 9, owner=A)  # a later step of A, pinned after the cut
+    assert store.expire_pins(cut) == 19 + 1  # A's step 8 and B's step 3
+    assert store.counters()["pins_expired"] == 20
+    assert store.session_holds(A) == (1, 0) and store.session_holds(B) == (0, 0)
+    assert newer != [None]
+    # A's late report of step 8: nothing of it is left to release; step 9's pin holds.
+    store.complete_step(8, owner=A)
+    store.clear()  # doomed where still pinned: K(1) by A's step 9, the others go
+    assert store.contains(K(1)) and store.used_slots == 1
+    store.complete_step(9, owner=A)
+    assert store.used_slots == 0
 
 
 def test_end_session_drops_doomed_entries_it_leaves_free(make_store) -> None:

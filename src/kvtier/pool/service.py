@@ -483,6 +483,13 @@ class MetaService:
                 now = time.monotonic()
                 if self.store is not None:
                     self.store.release_held(now)
+                    # A step open for a whole lease: its instance's engine is
+                    # stuck (a session that pings is not); its pins end here.
+                    expired = self.store.expire_pins(now - ttl)
+                    if expired:
+                        log.warning("kvtier meta: %d pins of steps open for over %d ms released (an instance's "
+                                    "engine did not complete its step; a load still to come is checked by "
+                                    "its checksum)", expired, self.opts.lease_ttl_ms)
                 with self._lock:
                     late = [s for s in self._sessions.values() if now - s.last_seen > ttl]
                 for s in late:
