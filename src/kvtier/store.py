@@ -243,6 +243,7 @@ class TieredStore:
         self._lock = threading.RLock()
         self._pins: dict[int, dict[int, list[bytes]]] = {}
         self._pinned_at: dict[tuple[int, int], float] = {}  # (owner, step) -> time.monotonic() of its first pin
+        self._progress: dict[int, float] = {}  # owner -> time.monotonic() of its last pin or completed step
         self._freeing = 0  # entries being written to SSD that are evicted (freed once written)
         # Above this many entries, the least recently used blocks are copied to
         # SSD ahead of need ("cleaned"), so that eviction later frees them at
@@ -464,7 +465,9 @@ class TieredStore:
         out: list[int | None] = []
         with self._lock:
             pinned = self._pins.setdefault(owner, {}).setdefault(step, [])
-            self._pinned_at.setdefault((owner, step), time.monotonic())
+            now = time.monotonic()
+            self._pinned_at.setdefault((owner, step), now)
+            self._progress.setdefault(owner, now)
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or e.state is not EntryState.READY or e.doomed:
@@ -600,6 +603,8 @@ class TieredStore:
                         self._sync_dirty(key, e)
                         if self._cluster is not None and not self._publish_on_evict:
                             saved.append(key)
+            if owner in self._progress:
+                self._progress[owner] = time.monotonic()
             for s, keys in self._take_steps(self._pins, owner, step):
                 self._pinned_at.pop((owner, s), None)
                 self._unpin(keys)
@@ -636,6 +641,7 @@ class TieredStore:
                 self._pinned_at.pop((owner, s), None)
                 self._unpin(keys)
                 unpinned += len(keys)
+            self._progress.pop(owner, None)
             free_before = len(self._free)
             dropped = sum(self._drop_pending(owner, s, keys)
                           for s, keys in self._pending.pop(owner, {}).items())
@@ -647,17 +653,19 @@ class TieredStore:
 
     def expire_pins(self, older_than: float) -> int:
         """Release the pins of every step first pinned before ``older_than``
-        (``time.monotonic()``) and not completed since: an instance whose
+        (``time.monotonic()``) and not completed since, of owners that have
+        completed no step since ``older_than`` either: an instance whose
         engine is stuck but whose session lives (its client still pings)
-        would otherwise keep them, and their blocks, forever. A load that
-        still reads such a slot later is checked against its key and
-        checksum after its copy, and fails if the slot was reused. Returns
-        how many pins were released; a later :meth:`complete_step` of those
-        steps finds nothing left to unpin."""
+        would otherwise keep them, and their blocks, forever; one that is
+        only slow (a step longer than the lease, its next step's pins taken
+        meanwhile) completes steps and keeps its pins. A load that still
+        reads such a slot later is checked against its key and checksum, and
+        fails if the slot was reused. Returns how many pins were released; a
+        later :meth:`complete_step` of those steps finds nothing to unpin."""
         with self._lock:
             n = 0
             for (owner, step), since in list(self._pinned_at.items()):
-                if since >= older_than:
+                if since >= older_than or self._progress.get(owner, since) >= older_than:
                     continue
                 del self._pinned_at[(owner, step)]
                 steps = self._pins.get(owner, {})

@@ -216,6 +216,7 @@ def test_a_silent_session_loses_its_lease(tmp_path: Path) -> None:
         acc = svc.accounting()
         assert (acc["pins"], acc["pinned_entries"]) == (0, 0)
         assert svc.sessions_expired == 1
+        assert svc.store.counters()["pins_expired"] == 0  # they went with the session
         # The pinging client kept its session through several lease periods.
         assert [s.id for s in svc.sessions()] == [b.session]
         assert raw.recv(1) == b""  # the service closed the expired session

@@ -195,6 +195,21 @@ def test_pins_of_a_step_open_past_the_lease_are_released_once(make_store) -> Non
     assert store.used_slots == 0
 
 
+def test_an_owner_that_completes_steps_keeps_the_pins_of_its_open_one(make_store) -> None:
+    """Slow, not stuck: a step longer than the lease while the next step's
+    pins are taken. The owner completed a step since the cut: its pins stay."""
+    store = make_store()
+    save_ready(store, [K(0), K(1)], 1, owner=B)
+    assert None not in store.pin([K(0)], 7, owner=A)
+    assert None not in store.pin([K(1)], 8, owner=A)
+    cut = time.monotonic()
+    store.complete_step(7, owner=A)  # progress after the cut
+    assert store.expire_pins(cut) == 0
+    assert store.session_holds(A) == (1, 0)
+    store.complete_step(8, owner=A)
+    assert store.session_holds(A) == (0, 0) and store.statistics().pinned_slots == 0
+
+
 def test_end_session_drops_doomed_entries_it_leaves_free(make_store) -> None:
     store = make_store()
     save_ready(store, [K(0), K(1), K(2)], 1, owner=B)

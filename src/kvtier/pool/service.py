@@ -481,28 +481,33 @@ class MetaService:
         while not self._stop.wait(min(1.0, ttl / 4)):
             try:
                 now = time.monotonic()
-                if self.store is not None:
-                    self.store.release_held(now)
-                    # A step open for a whole lease: its instance's engine is
-                    # stuck (a session that pings is not); its pins end here.
-                    expired = self.store.expire_pins(now - ttl)
+                with self._lock:
+                    store = self.store
+                    late = [s for s in self._sessions.values() if not s.ended and now - s.last_seen > ttl]
+                # Silent sessions first: their pins go with them (not counted
+                # as expired pins below).
+                for s in late:
+                    if self._end(s, f"nothing heard for {self.opts.lease_ttl_ms} ms"):
+                        self.sessions_expired += 1
+                if store is not None:
+                    store.release_held(now)
+                    # A live instance with a step open for a whole lease and no
+                    # step completed meanwhile: its engine is stuck (its client
+                    # still pings); the step's pins end here.
+                    expired = store.expire_pins(now - ttl)
                     if expired:
                         log.warning("kvtier meta: %d pins of steps open for over %d ms released (an instance's "
-                                    "engine did not complete its step; a load still to come is checked by "
+                                    "engine completed no step meanwhile; a load still to come is checked by "
                                     "its checksum)", expired, self.opts.lease_ttl_ms)
-                with self._lock:
-                    late = [s for s in self._sessions.values() if now - s.last_seen > ttl]
-                for s in late:
-                    self.sessions_expired += 1
-                    self._end(s, f"nothing heard for {self.opts.lease_ttl_ms} ms")
             except Exception:  # noqa: BLE001 - leases must keep ending whatever one pass met
                 log.exception("kvtier meta: ending expired leases failed; retrying")
 
-    def _end(self, s: Session, why: str) -> None:
+    def _end(self, s: Session, why: str) -> bool:
+        """End ``s`` (False: it had ended already)."""
         with s.lock:
             with self._lock:
                 if s.ended:
-                    return
+                    return False
                 s.ended = True
                 store = self.store
             pins = pending = 0
@@ -520,6 +525,7 @@ class MetaService:
             s.conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        return True
 
     # --- queries ----------------------------------------------------------
 
