@@ -226,20 +226,22 @@ class LateCopy:
         return self.done
 
 
-def test_a_device_load_is_checked_after_its_copy_read_the_slot(device_worker) -> None:
+@pytest.mark.parametrize("refill", [KEY_A, KEY_C], ids=["another key", "the same key"])
+def test_a_device_load_is_checked_after_its_copy_read_the_slot(device_worker, refill: bytes) -> None:
     """A slot rewritten between the plan and the DMA (its pin lost with the
-    session, the slot given to another key) is a load error: the checksum
-    pass waits for the copies, and does not pass the bytes the slot held
-    before the DMA read it."""
+    session or expired, the slot reused: for another key, or refilled with
+    the same key's bytes from another instance) is a load error: the check
+    waits for the copies and compares the header with the one the plan was
+    checked against, not with what it holds when the check runs."""
     w, tier, stream = device_worker
     tier.clear(2, KEY_C)
     tier.rank_view(2, 0).fill_(1)
     tier.seal(2, KEY_C, 0, checksum(tier.rank_view(2, 0), KEY_C))
 
-    def reused() -> None:  # another instance's save into the same slot
-        tier.clear(2, KEY_A)
+    def reused() -> None:  # another save into the same slot, sealed before the check runs
+        tier.clear(2, refill)
         tier.rank_view(2, 0).fill_(2)
-        tier.seal(2, KEY_A, 0, checksum(tier.rank_view(2, 0), KEY_A))
+        tier.seal(2, refill, 0, checksum(tier.rank_view(2, 0), refill))
 
     late: list[LateCopy] = []
 
@@ -252,6 +254,7 @@ def test_a_device_load_is_checked_after_its_copy_read_the_slot(device_worker) ->
     errors = w.get_block_ids_with_load_errors()
     assert [c.done for c in late] == [True]  # the check waited for the copies
     assert errors == {5}
+    assert w._report.corrupt_keys == []  # reused, not corrupt: the pool's block is not blamed
 
 
 def test_saves_queued_into_an_arena_left_behind_are_not_sealed_in_the_next(device_worker, capacity_for,

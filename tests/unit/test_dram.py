@@ -577,3 +577,25 @@ def test_data_checks_agree_with_verify_for_every_part(make_tier, capacity_for) -
         got = [check(i) for i in range(6)]
         want = [not (s == 2 and r == 1) and not (s == 3 and r == 0) and s != 4 for s in range(6)]
         assert got == [tier.verify(s, keys[s], r) for s in range(6)] == want, (r, got)
+
+
+def test_a_header_snapshot_tells_a_reused_slot_from_one_only_published(make_tier, capacity_for) -> None:
+    """What a load checked its slots against: any clear or seal since the
+    snapshot is a change (even the same key sealed again with other bytes);
+    the index owner's published mark is not."""
+    tier = make_tier(capacity_for(4, 4096), 4096)
+    keys = [bytes([i + 1]) * 16 for i in range(4)]
+    for s, k in enumerate(keys):
+        tier.rank_view(s, 0).fill_(s)
+        tier.seal(s, k, 0, checksum(tier.rank_view(s, 0), k))
+    snap = tier.header_snapshot([0, 1, 2, 3])
+    assert tier.sealed_in(snap, keys) == [True] * 4
+    assert tier.sealed_in(snap, [keys[1], keys[1], keys[2], keys[3]]) == [False, True, True, True]
+    tier.publish(0)
+    tier.clear(1, keys[1])  # being rewritten
+    tier.clear(2, keys[2])
+    tier.rank_view(2, 0).fill_(9)
+    tier.seal(2, keys[2], 0, checksum(tier.rank_view(2, 0), keys[2]))  # the same key, other bytes
+    assert tier.headers_unchanged([0, 1, 2, 3], snap) == [True, False, False, True]
+    check = tier.data_checks([0, 1, 2, 3], keys, 0, snap)
+    assert [check(i) for i in range(4)] == [True, True, False, True]  # against the snapshot's checksums

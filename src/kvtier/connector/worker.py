@@ -260,6 +260,12 @@ class WorkerSide:
                 self._report.corrupt_keys.append(c.key)
         checked = self.verify_checksums and self._copies is None and can_check_while_copying(self._layers,
                                                                                              self.layout)
+        # Checked after the copies (device copies, layouts memmove cannot
+        # take): against the headers as they were before the copies read the
+        # slots, not as they are when the check runs (a slot reused meanwhile
+        # and refilled with the same key would pass a fresh read).
+        headers = tier.header_snapshot([c.slot for c in good]) if good and self.verify_checksums and not checked \
+            else None
         bad: list[BlockCopy] = []
         copied: Any = None  # device copies: the event after which every slot has been read
         try:
@@ -310,11 +316,12 @@ class WorkerSide:
             # drops the token this step sampled and recomputes the block, so
             # nothing computed from it is ever served. Verifying before the
             # copy put the whole pass on the critical path (docs/benchmarks.md).
-            # Device copies are asynchronous: the pass waits until the DMA
-            # has read the slots, so that a slot rewritten before the copy
-            # read it (its pin lost with the session) fails the check; hashed
-            # while the copy was still queued, it passed on the old bytes.
-            self._verifying = self._verifier().submit(self._verify, good, copied)
+            # The slots are hashed at once (beside the device copies) against
+            # the snapshot; once the copies have read them (``copied``), their
+            # headers must still be the snapshot's: a slot whose pin was lost
+            # (session ended, pin expired) and that was reused before the copy
+            # read it fails, instead of passing on what it held before.
+            self._verifying = self._verifier().submit(self._verify, good, headers, copied)
             self._verifying_copies = good
         self._stats.add("load_seconds", time.perf_counter() - t0)
 
@@ -329,25 +336,33 @@ class WorkerSide:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify", initializer=on_device)
         return self._pool
 
-    def _verify(self, copies: list[BlockCopy], copied: Any = None) -> list[BlockCopy]:
-        """The copies whose slot fails its key or checksum check, once
-        ``copied`` (an event of the device copies, or None) has completed."""
-        if copied is not None:
+    def _verify(self, copies: list[BlockCopy], headers: Any, copied: Any = None
+                ) -> tuple[list[BlockCopy], list[BlockCopy]]:
+        """(corrupt, reused) among ``copies``: corrupt, a slot whose header
+        snapshot (``headers``, taken before the copies) is not sealed for its
+        key or whose bytes fail the snapshot's checksum; reused, a slot whose
+        header changed since the snapshot, checked once ``copied`` (an event
+        of the device copies, or None: the copies are done) has completed.
+        A failure to wait for ``copied`` raises: no copy is known good."""
+        tier = self._tier
+        slots, keys = [c.slot for c in copies], [c.key for c in copies]
+        sealed = tier.sealed_in(headers, keys)
+        matches = tier.data_checks(slots, keys, self.rank, headers)
+        corrupt: list[BlockCopy] = []
+        for i, c in enumerate(copies):
             try:
-                copied.synchronize()
-            except Exception:  # noqa: BLE001 - a copy whose end is unknown is not a good load
-                log.exception("kvtier: waiting for %d device loads failed", len(copies))
-                return list(copies)
-        bad = []
-        for c in copies:
-            try:
-                ok = self._tier.verify(c.slot, c.key, self.rank, check_data=True)
+                ok = sealed[i] and matches(i)
             except Exception:  # noqa: BLE001 - anything wrong is a miss
                 log.exception("kvtier: verifying slot %d failed", c.slot)
                 ok = False
             if not ok:
-                bad.append(c)
-        return bad
+                corrupt.append(c)
+        if copied is not None:
+            copied.synchronize()
+        unchanged = tier.headers_unchanged(slots, headers)
+        known = {id(c) for c in corrupt}
+        reused = [c for c, same in zip(copies, unchanged) if not same and id(c) not in known]
+        return corrupt, reused
 
     def _join_verification(self) -> None:
         fut, self._verifying = self._verifying, None
@@ -356,22 +371,33 @@ class WorkerSide:
         copies = self._verifying_copies
         self._verifying_copies = []
         try:
-            bad = fut.result()
+            corrupt, reused = fut.result()
         except Exception:  # noqa: BLE001 - unverified loads are not good loads
+            # A local failure (the device copies' event, this thread): load
+            # errors, but the pool's blocks are not known bad.
             log.exception("kvtier: checksum verification failed to run; the loads are reported as errors")
             self._load_errors.update(c.block_id for c in copies)
+            self._uncount(len(copies))
             self._step_load_failed = True
             return
-        if bad:
-            self._count_bad(bad)
+        if corrupt:
+            self._count_bad(corrupt)
+        if reused:
+            log.warning("kvtier: %d loaded slots were reused before their copies ended; vLLM recomputes them",
+                        len(reused))
+            self._load_errors.update(c.block_id for c in reused)
+            self._uncount(len(reused))
+
+    def _uncount(self, n: int) -> None:
+        self._stats.add("blocks_loaded", -n)
+        self._stats.add("bytes_loaded", -n * self.layout.block_bytes)
 
     def _count_bad(self, bad: list[BlockCopy]) -> None:
         """Loaded blocks that failed their checksum: load errors (vLLM
         recomputes them), not loads, and keys the index must forget."""
         log.warning("kvtier: %d loaded blocks failed their checksum; vLLM recomputes them", len(bad))
         self._load_errors.update(c.block_id for c in bad)
-        self._stats.add("blocks_loaded", -len(bad))
-        self._stats.add("bytes_loaded", -len(bad) * self.layout.block_bytes)
+        self._uncount(len(bad))
         if self._report is not None:
             self._report.corrupt_keys.extend(c.key for c in bad)
 

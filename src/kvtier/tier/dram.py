@@ -490,14 +490,44 @@ class DramTier:
         ok = inside & h["ready"][:, : self.ranks].all(axis=1) & (h["key"] == np.frombuffer(joined, dtype="V16"))
         return ok.tolist()
 
-    def data_checks(self, slots: Sequence[int], keys: Sequence[bytes], rank: int) -> Callable[[int], bool]:
+    def header_snapshot(self, slots: Sequence[int]) -> np.ndarray:
+        """A copy of the headers of ``slots`` (all in range), to check a copy
+        against once it has read them (:meth:`sealed_in`, :meth:`data_checks`,
+        :meth:`headers_unchanged`)."""
+        return self._headers[np.asarray(slots, dtype=np.int64)].copy()
+
+    def sealed_in(self, headers: np.ndarray, keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`sealed_many` read from a :meth:`header_snapshot`."""
+        joined = b"".join(keys)
+        if len(joined) != 16 * len(keys) or len(keys) != len(headers):
+            raise ValueError("one 16-byte key per header")
+        ok = headers["ready"][:, : self.ranks].all(axis=1) & (headers["key"] == np.frombuffer(joined, dtype="V16"))
+        return ok.tolist()
+
+    def headers_unchanged(self, slots: Sequence[int], headers: np.ndarray) -> list[bool]:
+        """Whether each slot's key, ready marks and checksums are still those
+        of ``headers`` (a :meth:`header_snapshot` of ``slots``). Every reuse
+        of a slot clears its header before anything rewrites its bytes, so a
+        copy that read the slot before this returns True read the bytes the
+        snapshot describes."""
+        now = self._headers[np.asarray(slots, dtype=np.int64)]
+        same = ((now["key"] == headers["key"]) & (now["ready"] == headers["ready"]).all(axis=1)
+                & (now["checksum"] == headers["checksum"]).all(axis=1))
+        return same.tolist()
+
+    def data_checks(self, slots: Sequence[int], keys: Sequence[bytes], rank: int,
+                    headers: np.ndarray | None = None) -> Callable[[int], bool]:
         """For slots :meth:`sealed_many` found sealed for ``keys``: a check
         ``i -> bool``, whether rank ``rank``'s bytes of ``slots[i]`` match the
-        checksum its header gives. The headers are read once for the batch
-        and each part is hashed straight from the mapping: :meth:`verify`
-        per block cost ~5 us of header reads and tensor slicing besides the
-        hash (0.65 ms for an 8k-token hit of 127 blocks)."""
-        expected = self._headers["checksum"][np.asarray(slots, dtype=np.int64), rank].tolist()
+        checksum its header gives (``headers``: the one a snapshot gives).
+        The headers are read once for the batch and each part is hashed
+        straight from the mapping: :meth:`verify` per block cost ~5 us of
+        header reads and tensor slicing besides the hash (0.65 ms for an
+        8k-token hit of 127 blocks)."""
+        if headers is None:
+            expected = self._headers["checksum"][np.asarray(slots, dtype=np.int64), rank].tolist()
+        else:
+            expected = headers["checksum"][:, rank].tolist()
         mv = memoryview(self._mm)
         base = self._data_off + rank * self.rank_stride
         stride, n = self.slot_stride, self.rank_bytes
