@@ -243,7 +243,7 @@ class TieredStore:
         self._lock = threading.RLock()
         self._pins: dict[int, dict[int, list[bytes]]] = {}
         self._pinned_at: dict[tuple[int, int], float] = {}  # (owner, step) -> time.monotonic() of its first pin
-        self._progress: dict[int, float] = {}  # owner -> time.monotonic() of its last pin or completed step
+        self._progress: dict[int, float] = {}  # owner -> time.monotonic() of its first pin, then of its last completed step
         self._freeing = 0  # entries being written to SSD that are evicted (freed once written)
         # Above this many entries, the least recently used blocks are copied to
         # SSD ahead of need ("cleaned"), so that eviction later frees them at

@@ -204,6 +204,7 @@ def test_a_step_that_only_loads_is_reported_once_its_copies_end(device_worker) -
     tier.clear(2, KEY_C)
     tier.rank_view(2, 0).zero_()
     tier.seal(2, KEY_C, 0, checksum(tier.rank_view(2, 0), KEY_C))
+    tier.publish(2)
     assert step(w, StepPlan(step=1, arena=tier.path, loads=[BlockCopy(5, 2, KEY_C)])) is None
     stream.events[0].finished = True
     assert step(w, StepPlan(step=2, arena=tier.path)).done == {1: 1}
@@ -237,11 +238,13 @@ def test_a_device_load_is_checked_after_its_copy_read_the_slot(device_worker, re
     tier.clear(2, KEY_C)
     tier.rank_view(2, 0).fill_(1)
     tier.seal(2, KEY_C, 0, checksum(tier.rank_view(2, 0), KEY_C))
+    tier.publish(2)
 
     def reused() -> None:  # another save into the same slot, sealed before the check runs
         tier.clear(2, refill)
         tier.rank_view(2, 0).fill_(2)
         tier.seal(2, refill, 0, checksum(tier.rank_view(2, 0), refill))
+        tier.publish(2)
 
     late: list[LateCopy] = []
 
@@ -343,6 +346,7 @@ def test_with_microbatches_a_failed_load_still_holds_the_report_until_the_copies
     w._copies = stream = Stream()
     tier.rank_view(1, 0).zero_()
     tier.seal(1, KEY_B, 0, checksum(tier.rank_view(1, 0), KEY_B))  # a good block
+    tier.publish(1)
     tier.clear(2, KEY_C)  # published for KEY_C, never sealed: its load fails
     plan = StepPlan(step=1, arena=tier.path, loads=[BlockCopy(4, 1, KEY_B), BlockCopy(5, 2, KEY_C)],
                     saves=[BlockCopy(3, 0, KEY_A)])

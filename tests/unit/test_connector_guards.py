@@ -25,6 +25,7 @@ def save(w: WorkerSide, tier, step: int, block_id: int, slot: int, key: bytes) -
     w.wait_for_save(plan)
     assert w.get_block_ids_with_load_errors() == set()
     assert w.build_report().failed_slots == []
+    tier.publish(slot)  # what the index does once the step is reported
 
 
 # "copying": the CPU path, each block checked as it is copied; "after": the
@@ -64,6 +65,24 @@ def test_an_intact_block_loads_without_error(worker_and_tier):
     assert w.get_block_ids_with_load_errors() == set()
     assert torch.equal(kv[9], expected)
     assert w.build_report().corrupt_keys == []
+
+
+@pytest.mark.parametrize("checked", ["copying", "after"])
+def test_a_block_sealed_but_not_published_is_never_loaded(worker_and_tier, checked, monkeypatch):
+    """A slot sealed for the key whose step the index never completed (or
+    whose save it doomed: computed beside a block that failed its load) is
+    no block to load, even with intact checksums: a loader whose pin was
+    lost can meet one when the slot went to another instance's save of the
+    same key."""
+    if checked == "after":
+        monkeypatch.setattr("kvtier.connector.copy._MEMMOVE", False)
+    w, tier, kv = worker_and_tier
+    save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
+    tier.publish(0, False)  # doomed by the index
+    kv[9].zero_()
+    w.start_load_kv(StepPlan(step=1, arena=tier.path, loads=[BlockCopy(9, 0, b"a" * 16)]))
+    assert w.get_block_ids_with_load_errors() == {9}
+    assert not kv[9].any()  # never copied
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -579,23 +580,34 @@ def test_data_checks_agree_with_verify_for_every_part(make_tier, capacity_for) -
         assert got == [tier.verify(s, keys[s], r) for s in range(6)] == want, (r, got)
 
 
-def test_a_header_snapshot_tells_a_reused_slot_from_one_only_published(make_tier, capacity_for) -> None:
-    """What a load checked its slots against: any clear or seal since the
-    snapshot is a change (even the same key sealed again with other bytes);
-    the index owner's published mark is not."""
-    tier = make_tier(capacity_for(4, 4096), 4096)
-    keys = [bytes([i + 1]) * 16 for i in range(4)]
+def test_a_header_snapshot_tells_a_reused_slot_from_an_untouched_one(make_tier, capacity_for) -> None:
+    """What a load checked its slots against: any clear since the snapshot is
+    a change, even one followed by the very header it had (the same block
+    promoted back), and so is the same key sealed again with other bytes or
+    the slot unpublished (doomed); a slot sealed but never published is not
+    loadable."""
+    tier = make_tier(capacity_for(6, 4096), 4096)
+    keys = [bytes([i + 1]) * 16 for i in range(6)]
     for s, k in enumerate(keys):
         tier.rank_view(s, 0).fill_(s)
         tier.seal(s, k, 0, checksum(tier.rank_view(s, 0), k))
-    snap = tier.header_snapshot([0, 1, 2, 3])
-    assert tier.sealed_in(snap, keys) == [True] * 4
-    assert tier.sealed_in(snap, [keys[1], keys[1], keys[2], keys[3]]) == [False, True, True, True]
-    tier.publish(0)
+        if s != 5:
+            tier.publish(s)
+    snap = tier.header_snapshot(range(6))
+    assert tier.sealed_in(snap, keys) == [True] * 5 + [False]
+    assert tier.sealed_in(snap, [keys[1]] + keys[1:]) == [False] + [True] * 4 + [False]
+    assert tier.sealed_many(range(6), keys, published=True) == [True] * 5 + [False]
+    assert tier.sealed_many(range(6), keys) == [True] * 6
     tier.clear(1, keys[1])  # being rewritten
     tier.clear(2, keys[2])
     tier.rank_view(2, 0).fill_(9)
     tier.seal(2, keys[2], 0, checksum(tier.rank_view(2, 0), keys[2]))  # the same key, other bytes
-    assert tier.headers_unchanged([0, 1, 2, 3], snap) == [True, False, False, True]
-    check = tier.data_checks([0, 1, 2, 3], keys, 0, snap)
-    assert [check(i) for i in range(4)] == [True, True, False, True]  # against the snapshot's checksums
+    tier.publish(2)
+    raw = bytes(tier._headers[3 : 4].view(np.uint8))
+    tier.clear(3, keys[3])  # reused, then the same block back with the same header
+    tier.restore_header(3, raw)
+    tier.publish(3)
+    tier.publish(4, False)  # doomed
+    assert tier.headers_unchanged(range(6), snap) == [True, False, False, False, False, True]
+    check = tier.data_checks(list(range(6)), keys, 0, snap)
+    assert [check(i) for i in range(6)] == [True, True, False, True, True, True]  # against the snapshot's checksums

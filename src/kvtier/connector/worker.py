@@ -247,25 +247,34 @@ class WorkerSide:
         t0 = time.perf_counter()
         tier = self._tier
         good: list[BlockCopy] = []
+        checked = self.verify_checksums and self._copies is None and can_check_while_copying(self._layers,
+                                                                                             self.layout)
         # The header check is cheap and comes first: a slot that does not
-        # hold this key, sealed by every rank, is never copied.
-        sealed = tier.sealed_many([c.slot for c in plan.loads], [c.key for c in plan.loads])
-        for c, ok in zip(plan.loads, sealed):
+        # hold this key, sealed by every rank and published by the index, is
+        # never copied. The copies are checked against this snapshot of the
+        # headers, not against the headers as they are when the check runs
+        # (a slot reused meanwhile and refilled would pass a fresh read).
+        snapshot = None
+        if self.verify_checksums:
+            inside = [i for i, c in enumerate(plan.loads) if 0 <= c.slot < tier.num_slots]
+            snapshot = tier.header_snapshot([plan.loads[i].slot for i in inside])
+            sealed = [False] * len(plan.loads)
+            for i, ok in zip(inside, tier.sealed_in(snapshot, [plan.loads[i].key for i in inside])):
+                sealed[i] = ok
+            rows = {i: row for row, i in enumerate(inside)}
+        else:
+            sealed = tier.sealed_many([c.slot for c in plan.loads], [c.key for c in plan.loads], published=True)
+        kept: list[int] = []
+        for i, (c, ok) in enumerate(zip(plan.loads, sealed)):
             if ok:
                 good.append(c)
+                kept.append(i)
                 continue
             self._load_errors.add(c.block_id)
             if c.slot >= 0 and self._report is not None:
                 # Published but not sealed for this key: the index must forget it.
                 self._report.corrupt_keys.append(c.key)
-        checked = self.verify_checksums and self._copies is None and can_check_while_copying(self._layers,
-                                                                                             self.layout)
-        # Checked after the copies (device copies, layouts memmove cannot
-        # take): against the headers as they were before the copies read the
-        # slots, not as they are when the check runs (a slot reused meanwhile
-        # and refilled with the same key would pass a fresh read).
-        headers = tier.header_snapshot([c.slot for c in good]) if good and self.verify_checksums and not checked \
-            else None
+        headers = snapshot[[rows[i] for i in kept]] if snapshot is not None and good else None
         bad: list[BlockCopy] = []
         copied: Any = None  # device copies: the event after which every slot has been read
         try:
@@ -278,9 +287,10 @@ class WorkerSide:
                 # CPU: each block's checksum right after its copy, from the
                 # cache (scatter_checked); a block that fails is a load error
                 # now, before the forward pass reads it.
-                # The headers were checked above (sealed_many): the data against
-                # the checksums they give, read once for the step.
-                matches = tier.data_checks([c.slot for c in good], [c.key for c in good], self.rank)
+                # The headers were checked above (the snapshot): the data
+                # against the checksums the snapshot gives, hashed after each
+                # block's copy (bytes that changed under it stay changed).
+                matches = tier.data_checks([c.slot for c in good], [c.key for c in good], self.rank, headers)
 
                 def check(i: int) -> bool:
                     try:
@@ -316,11 +326,11 @@ class WorkerSide:
             # drops the token this step sampled and recomputes the block, so
             # nothing computed from it is ever served. Verifying before the
             # copy put the whole pass on the critical path (docs/benchmarks.md).
-            # The slots are hashed at once (beside the device copies) against
-            # the snapshot; once the copies have read them (``copied``), their
-            # headers must still be the snapshot's: a slot whose pin was lost
-            # (session ended, pin expired) and that was reused before the copy
-            # read it fails, instead of passing on what it held before.
+            # Once the copies have read the slots (``copied``), their bytes
+            # are hashed against the snapshot's checksums and their headers
+            # must still be the snapshot's: a slot whose pin was lost (session
+            # ended, pin expired) and that was reused or rewritten before or
+            # while the copy read it fails, instead of passing on a fresh read.
             self._verifying = self._verifier().submit(self._verify, good, headers, copied)
             self._verifying_copies = good
         self._stats.add("load_seconds", time.perf_counter() - t0)
@@ -338,30 +348,28 @@ class WorkerSide:
 
     def _verify(self, copies: list[BlockCopy], headers: Any, copied: Any = None
                 ) -> tuple[list[BlockCopy], list[BlockCopy]]:
-        """(corrupt, reused) among ``copies``: corrupt, a slot whose header
-        snapshot (``headers``, taken before the copies) is not sealed for its
-        key or whose bytes fail the snapshot's checksum; reused, a slot whose
-        header changed since the snapshot, checked once ``copied`` (an event
-        of the device copies, or None: the copies are done) has completed.
-        A failure to wait for ``copied`` raises: no copy is known good."""
-        tier = self._tier
-        slots, keys = [c.slot for c in copies], [c.key for c in copies]
-        sealed = tier.sealed_in(headers, keys)
-        matches = tier.data_checks(slots, keys, self.rank, headers)
-        corrupt: list[BlockCopy] = []
-        for i, c in enumerate(copies):
-            try:
-                ok = sealed[i] and matches(i)
-            except Exception:  # noqa: BLE001 - anything wrong is a miss
-                log.exception("kvtier: verifying slot %d failed", c.slot)
-                ok = False
-            if not ok:
-                corrupt.append(c)
+        """(corrupt, reused) among ``copies``, once ``copied`` (an event of
+        the device copies, or None: the copies are done) has completed:
+        reused, a slot whose header is no longer its snapshot ``headers``
+        (taken before the copies); corrupt, one whose bytes fail the
+        snapshot's checksum. The bytes are hashed after the copies have read
+        them: bytes that changed under a copy have not changed back. A
+        failure to wait for ``copied`` raises: no copy is known good."""
         if copied is not None:
             copied.synchronize()
+        tier = self._tier
+        slots, keys = [c.slot for c in copies], [c.key for c in copies]
+        matches = tier.data_checks(slots, keys, self.rank, headers)
+        intact: list[bool] = []
+        for i, c in enumerate(copies):
+            try:
+                intact.append(matches(i))
+            except Exception:  # noqa: BLE001 - anything wrong is a miss
+                log.exception("kvtier: verifying slot %d failed", c.slot)
+                intact.append(False)
         unchanged = tier.headers_unchanged(slots, headers)
-        known = {id(c) for c in corrupt}
-        reused = [c for c, same in zip(copies, unchanged) if not same and id(c) not in known]
+        reused = [c for c, same in zip(copies, unchanged) if not same]
+        corrupt = [c for c, same, ok in zip(copies, unchanged, intact) if same and not ok]
         return corrupt, reused
 
     def _join_verification(self) -> None:

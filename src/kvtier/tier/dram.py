@@ -67,9 +67,13 @@ MAX_RANKS = 8
 # from different processes at the same time, and a read-modify-write of a
 # shared mask lost ranks' bits (a race reproduced with two processes sealing
 # 4,096 slots; tests/unit/test_dram.py pins it). Each rank writes only its byte.
+# ``gen`` counts the slot's clears (index owner): a load compares it before
+# and after its copies, so a slot reused and refilled with the very header it
+# had (the same block promoted back into it) is still seen as reused.
+# Arenas of earlier versions had zeros there.
 _HEADER = np.dtype(
     [("key", "V16"), ("ready", "u1", (MAX_RANKS,)), ("checksum", "<u8", (MAX_RANKS,)), ("published", "u1"),
-     ("pad", "V39")]
+     ("gen", "<u4"), ("pad", "V35")]
 )
 assert _HEADER.itemsize == 128
 
@@ -437,16 +441,21 @@ class DramTier:
 
     def restore_header(self, slot: int, raw: bytes | memoryview) -> None:
         """Write a whole header copied out of an arena (``HEADER_BYTES``, its
-        block verified against it by the caller), unpublished (index owner)."""
+        block verified against it by the caller), unpublished, keeping this
+        slot's count of clears (index owner)."""
+        gen = int(self._headers[slot]["gen"])
         view = self._headers[slot : slot + 1].view(np.uint8)
         view[:] = np.frombuffer(raw, dtype=np.uint8, count=HEADER_BYTES)
         self._headers[slot]["published"] = 0
+        self._headers[slot]["gen"] = gen
 
     def clear(self, slot: int, key: bytes = bytes(16)) -> None:
-        """Mark ``slot`` as holding nothing readable (index owner only)."""
+        """Mark ``slot`` as holding nothing readable (index owner only),
+        before anything rewrites its bytes; counts the clear in ``gen``."""
         h = self._headers[slot]
         h["published"] = 0
         h["ready"][:] = 0
+        h["gen"] = (int(h["gen"]) + 1) & 0xFFFFFFFF
         h["key"] = np.void(key)
 
     def publish(self, slot: int, published: bool = True) -> None:
@@ -474,21 +483,27 @@ class DramTier:
         h = self._headers[slot]
         return bool(h["ready"][: self.ranks].all()) and bytes(h["key"]) == key
 
-    def sealed_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bool]:
+    def sealed_many(self, slots: Sequence[int], keys: Sequence[bytes], published: bool = False) -> list[bool]:
         """:meth:`is_sealed` of each ``(slot, key)``, in a few array passes
         (a load of 127 blocks read 127 headers one numpy scalar at a time:
-        0.28 ms on the load's path). A slot out of range is not sealed."""
+        0.28 ms on the load's path). A slot out of range is not sealed.
+        ``published``: the index must have published the slot too (a load:
+        a slot sealed but never published holds a save the index doomed, or
+        one whose step has not completed)."""
         n = len(slots)
         if n != len(keys):
             raise ValueError(f"{n} slots for {len(keys)} keys")
         joined = b"".join(keys)
         if not n or len(joined) != 16 * n:
-            return [0 <= s < self.num_slots and len(k) == 16 and self.is_sealed(s, k) for s, k in zip(slots, keys)]
+            return [0 <= s < self.num_slots and len(k) == 16 and self.is_sealed(s, k)
+                    and (not published or bool(self._headers[s]["published"])) for s, k in zip(slots, keys)]
         at = np.asarray(slots, dtype=np.int64)
         inside = (at >= 0) & (at < self.num_slots)
-        h = self._headers[np.where(inside, at, 0)]
-        ok = inside & h["ready"][:, : self.ranks].all(axis=1) & (h["key"] == np.frombuffer(joined, dtype="V16"))
-        return ok.tolist()
+        return (inside & self._sealed(self._headers[np.where(inside, at, 0)], joined, published)).tolist()
+
+    def _sealed(self, h: np.ndarray, joined: bytes, published: bool) -> np.ndarray:
+        ok = h["ready"][:, : self.ranks].all(axis=1) & (h["key"] == np.frombuffer(joined, dtype="V16"))
+        return ok & (h["published"] == 1) if published else ok
 
     def header_snapshot(self, slots: Sequence[int]) -> np.ndarray:
         """A copy of the headers of ``slots`` (all in range), to check a copy
@@ -497,22 +512,22 @@ class DramTier:
         return self._headers[np.asarray(slots, dtype=np.int64)].copy()
 
     def sealed_in(self, headers: np.ndarray, keys: Sequence[bytes]) -> list[bool]:
-        """:meth:`sealed_many` read from a :meth:`header_snapshot`."""
+        """:meth:`sealed_many` with ``published``, read from a :meth:`header_snapshot`."""
         joined = b"".join(keys)
         if len(joined) != 16 * len(keys) or len(keys) != len(headers):
             raise ValueError("one 16-byte key per header")
-        ok = headers["ready"][:, : self.ranks].all(axis=1) & (headers["key"] == np.frombuffer(joined, dtype="V16"))
-        return ok.tolist()
+        return self._sealed(headers, joined, True).tolist()
 
     def headers_unchanged(self, slots: Sequence[int], headers: np.ndarray) -> list[bool]:
-        """Whether each slot's key, ready marks and checksums are still those
-        of ``headers`` (a :meth:`header_snapshot` of ``slots``). Every reuse
-        of a slot clears its header before anything rewrites its bytes, so a
-        copy that read the slot before this returns True read the bytes the
-        snapshot describes."""
+        """Whether each slot's header is still the one in ``headers`` (a
+        :meth:`header_snapshot` of ``slots``): key, ready marks, checksums,
+        published mark and count of clears. The index owner clears a slot
+        before anything rewrites its bytes, so a copy that read the slot
+        before this returns True read the bytes the snapshot describes."""
         now = self._headers[np.asarray(slots, dtype=np.int64)]
         same = ((now["key"] == headers["key"]) & (now["ready"] == headers["ready"]).all(axis=1)
-                & (now["checksum"] == headers["checksum"]).all(axis=1))
+                & (now["checksum"] == headers["checksum"]).all(axis=1) & (now["published"] == headers["published"])
+                & (now["gen"] == headers["gen"]))
         return same.tolist()
 
     def data_checks(self, slots: Sequence[int], keys: Sequence[bytes], rank: int,
