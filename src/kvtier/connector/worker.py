@@ -256,7 +256,7 @@ class WorkerSide:
         # (a slot reused meanwhile and refilled would pass a fresh read).
         snapshot = None
         if self.verify_checksums:
-            inside = [i for i, c in enumerate(plan.loads) if 0 <= c.slot < tier.num_slots]
+            inside = [i for i, c in enumerate(plan.loads) if 0 <= c.slot < tier.num_slots and len(c.key) == 16]
             snapshot = tier.header_snapshot([plan.loads[i].slot for i in inside])
             sealed = [False] * len(plan.loads)
             for i, ok in zip(inside, tier.sealed_in(snapshot, [plan.loads[i].key for i in inside])):
@@ -276,6 +276,7 @@ class WorkerSide:
                 self._report.corrupt_keys.append(c.key)
         headers = snapshot[[rows[i] for i in kept]] if snapshot is not None and good else None
         bad: list[BlockCopy] = []
+        reused: list[BlockCopy] = []
         copied: Any = None  # device copies: the event after which every slot has been read
         try:
             if self._copies is not None:
@@ -305,6 +306,12 @@ class WorkerSide:
                                     [c.slot for c in good], check, failed)
                 finally:
                     bad = [good[i] for i in failed]  # found bad before an exception: still reported corrupt
+                if good:
+                    # Cleared since the snapshot (reused, even if its header
+                    # came back as it was): not what the hash checked.
+                    known = {id(c) for c in bad}
+                    reused = [c for c, same in zip(good, tier.headers_unchanged([c.slot for c in good], headers))
+                              if not same and id(c) not in known]
             else:
                 scatter_blocks(self._layers, self.layout, [c.block_id for c in good], self._slots,
                                [c.slot for c in good])
@@ -313,7 +320,12 @@ class WorkerSide:
             self._load_errors.update(c.block_id for c in good)
             if bad and self._report is not None:
                 self._report.corrupt_keys.extend(c.key for c in bad)  # the index must forget them
-            good, bad = [], []
+            good, bad, reused = [], [], []
+        if reused:
+            log.warning("kvtier: %d loaded slots were reused during their copies; vLLM recomputes them", len(reused))
+            self._load_errors.update(c.block_id for c in reused)
+            gone = {id(c) for c in reused}
+            good = [c for c in good if id(c) not in gone]
         self._stats.add("blocks_loaded", len(good))
         self._stats.add("bytes_loaded", len(good) * self.layout.block_bytes)
         if bad:

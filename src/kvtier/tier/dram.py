@@ -443,11 +443,10 @@ class DramTier:
         """Write a whole header copied out of an arena (``HEADER_BYTES``, its
         block verified against it by the caller), unpublished, keeping this
         slot's count of clears (index owner)."""
-        gen = int(self._headers[slot]["gen"])
-        view = self._headers[slot : slot + 1].view(np.uint8)
-        view[:] = np.frombuffer(raw, dtype=np.uint8, count=HEADER_BYTES)
-        self._headers[slot]["published"] = 0
-        self._headers[slot]["gen"] = gen
+        h = np.frombuffer(raw, dtype=_HEADER, count=1).copy()
+        h["published"] = 0
+        h["gen"] = self._headers[slot]["gen"]
+        self._headers[slot : slot + 1] = h  # one write: never published, nor another count, in between
 
     def clear(self, slot: int, key: bytes = bytes(16)) -> None:
         """Mark ``slot`` as holding nothing readable (index owner only),
