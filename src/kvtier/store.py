@@ -84,6 +84,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -95,6 +96,7 @@ from kvtier.tier import DramTier
 from kvtier.tier.ssd import BlockRecord, Recovered, SsdLocation, SsdTier
 from kvtier.tier.ssd_index import SsdIndex, eviction_batch
 
+_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 
@@ -241,8 +243,8 @@ class TieredStore:
         self._last_eviction_log = self._last_ssd_eviction_log = float("-inf")  # the first one always logs
         # Re-entrant: a job's done-callback may run on the thread that submitted it.
         self._lock = threading.RLock()
-        self._pins: dict[int, dict[int, list[bytes]]] = {}
-        self._pinned_at: dict[tuple[int, int], float] = {}  # (owner, step) -> time.monotonic() of its first pin
+        # owner -> step -> (time.monotonic() of the step's first pin, the keys it pinned)
+        self._pins: dict[int, dict[int, tuple[float, list[bytes]]]] = {}
         self._progress: dict[int, float] = {}  # owner -> time.monotonic() of its first pin, then of its last completed step
         self._freeing = 0  # entries being written to SSD that are evicted (freed once written)
         # Above this many entries, the least recently used blocks are copied to
@@ -464,9 +466,8 @@ class TieredStore:
         ``step`` (or its :meth:`end_session`); None where not READY."""
         out: list[int | None] = []
         with self._lock:
-            pinned = self._pins.setdefault(owner, {}).setdefault(step, [])
             now = time.monotonic()
-            self._pinned_at.setdefault((owner, step), now)
+            _, pinned = self._pins.setdefault(owner, {}).setdefault(step, (now, []))
             self._progress.setdefault(owner, now)
             for key in keys:
                 e = self._entries.get(key)
@@ -605,8 +606,7 @@ class TieredStore:
                             saved.append(key)
             if owner in self._progress:
                 self._progress[owner] = time.monotonic()
-            for s, keys in self._take_steps(self._pins, owner, step):
-                self._pinned_at.pop((owner, s), None)
+            for _, (_, keys) in self._take_steps(self._pins, owner, step):
                 self._unpin(keys)
             if saved:
                 self._publish_locked(saved)
@@ -637,8 +637,7 @@ class TieredStore:
         """
         with self._lock:
             unpinned = 0
-            for s, keys in self._pins.pop(owner, {}).items():
-                self._pinned_at.pop((owner, s), None)
+            for _, keys in self._pins.pop(owner, {}).values():
                 self._unpin(keys)
                 unpinned += len(keys)
             self._progress.pop(owner, None)
@@ -664,16 +663,14 @@ class TieredStore:
         later :meth:`complete_step` of those steps finds nothing to unpin."""
         with self._lock:
             n = 0
-            for (owner, step), since in list(self._pinned_at.items()):
-                if since >= older_than or self._progress.get(owner, since) >= older_than:
-                    continue
-                del self._pinned_at[(owner, step)]
-                steps = self._pins.get(owner, {})
-                keys = steps.pop(step, [])
+            for owner, steps in list(self._pins.items()):
+                if self._progress.get(owner, older_than) < older_than:
+                    for step in [st for st, (since, _) in steps.items() if since < older_than]:
+                        _, keys = steps.pop(step)
+                        self._unpin(keys)
+                        n += len(keys)
                 if not steps:
-                    self._pins.pop(owner, None)
-                self._unpin(keys)
-                n += len(keys)
+                    del self._pins[owner]
             self._c.pins_expired += n
             return n
 
@@ -706,14 +703,13 @@ class TieredStore:
     def session_holds(self, owner: int) -> tuple[int, int]:
         """(pins held, PENDING entries) of ``owner``: what :meth:`end_session` would release."""
         with self._lock:
-            pins = sum(len(keys) for keys in self._pins.get(owner, {}).values())
+            pins = sum(len(keys) for _, keys in self._pins.get(owner, {}).values())
             pending = sum(self._own_pending(key, owner, s) is not None
                           for s, keys in self._pending.get(owner, {}).items() for key in keys)
             return pins, pending
 
     @staticmethod
-    def _take_steps(by_owner: dict[int, dict[int, list[bytes]]], owner: int,
-                    step: int) -> list[tuple[int, list[bytes]]]:
+    def _take_steps(by_owner: dict[int, dict[int, _T]], owner: int, step: int) -> list[tuple[int, _T]]:
         """Remove and return ``owner``'s steps up to ``step`` from ``by_owner``."""
         steps = by_owner.get(owner)
         if steps is None:

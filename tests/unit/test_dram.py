@@ -593,9 +593,10 @@ def test_a_header_snapshot_tells_a_reused_slot_from_an_untouched_one(make_tier, 
         tier.seal(s, k, 0, checksum(tier.rank_view(s, 0), k))
         if s != 5:
             tier.publish(s)
-    snap = tier.header_snapshot(range(6))
-    assert tier.sealed_in(snap, keys) == [True] * 5 + [False]
-    assert tier.sealed_in(snap, [keys[1]] + keys[1:]) == [False] + [True] * 4 + [False]
+    snap, sealed = tier.header_snapshot(range(6), keys)
+    assert sealed == [True] * 5 + [False]
+    assert tier.header_snapshot([0, 1, -1, tier.num_slots, 2], [keys[1], keys[1], keys[0], keys[0], b"x"])[1] == \
+        [False, True, False, False, False]  # another key, out of range, a key of the wrong length
     assert tier.sealed_many(range(6), keys, published=True) == [True] * 5 + [False]
     assert tier.sealed_many(range(6), keys) == [True] * 6
     tier.clear(1, keys[1])  # being rewritten

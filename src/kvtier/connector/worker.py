@@ -254,16 +254,12 @@ class WorkerSide:
         # never copied. The copies are checked against this snapshot of the
         # headers, not against the headers as they are when the check runs
         # (a slot reused meanwhile and refilled would pass a fresh read).
+        slots, keys = [c.slot for c in plan.loads], [c.key for c in plan.loads]
         snapshot = None
         if self.verify_checksums:
-            inside = [i for i, c in enumerate(plan.loads) if 0 <= c.slot < tier.num_slots and len(c.key) == 16]
-            snapshot = tier.header_snapshot([plan.loads[i].slot for i in inside])
-            sealed = [False] * len(plan.loads)
-            for i, ok in zip(inside, tier.sealed_in(snapshot, [plan.loads[i].key for i in inside])):
-                sealed[i] = ok
-            rows = {i: row for row, i in enumerate(inside)}
+            snapshot, sealed = tier.header_snapshot(slots, keys)
         else:
-            sealed = tier.sealed_many([c.slot for c in plan.loads], [c.key for c in plan.loads], published=True)
+            sealed = tier.sealed_many(slots, keys, published=True)
         kept: list[int] = []
         for i, (c, ok) in enumerate(zip(plan.loads, sealed)):
             if ok:
@@ -274,7 +270,7 @@ class WorkerSide:
             if c.slot >= 0 and self._report is not None:
                 # Published but not sealed for this key: the index must forget it.
                 self._report.corrupt_keys.append(c.key)
-        headers = snapshot[[rows[i] for i in kept]] if snapshot is not None and good else None
+        headers = snapshot[kept] if snapshot is not None and good else None
         bad: list[BlockCopy] = []
         reused: list[BlockCopy] = []
         copied: Any = None  # device copies: the event after which every slot has been read
@@ -321,15 +317,12 @@ class WorkerSide:
             if bad and self._report is not None:
                 self._report.corrupt_keys.extend(c.key for c in bad)  # the index must forget them
             good, bad, reused = [], [], []
-        if reused:
-            log.warning("kvtier: %d loaded slots were reused during their copies; vLLM recomputes them", len(reused))
-            self._load_errors.update(c.block_id for c in reused)
-            gone = {id(c) for c in reused}
-            good = [c for c in good if id(c) not in gone]
         self._stats.add("blocks_loaded", len(good))
         self._stats.add("bytes_loaded", len(good) * self.layout.block_bytes)
         if bad:
             self._count_bad(bad)
+        if reused:
+            self._count_reused(reused)
         if good and self.verify_checksums and not checked:
             # Device copies (and CPU layouts memmove cannot take): checksums
             # are verified while the forward pass runs (xxhash releases the
@@ -403,14 +396,19 @@ class WorkerSide:
         if corrupt:
             self._count_bad(corrupt)
         if reused:
-            log.warning("kvtier: %d loaded slots were reused before their copies ended; vLLM recomputes them",
-                        len(reused))
-            self._load_errors.update(c.block_id for c in reused)
-            self._uncount(len(reused))
+            self._count_reused(reused)
 
     def _uncount(self, n: int) -> None:
         self._stats.add("blocks_loaded", -n)
         self._stats.add("bytes_loaded", -n * self.layout.block_bytes)
+
+    def _count_reused(self, reused: list[BlockCopy]) -> None:
+        """Loaded slots cleared since their snapshot (a pin lost, the slot
+        reused): load errors, not loads; the pool's blocks are not blamed."""
+        log.warning("kvtier: %d loaded slots were reused while they were copied; vLLM recomputes them",
+                    len(reused))
+        self._load_errors.update(c.block_id for c in reused)
+        self._uncount(len(reused))
 
     def _count_bad(self, bad: list[BlockCopy]) -> None:
         """Loaded blocks that failed their checksum: load errors (vLLM

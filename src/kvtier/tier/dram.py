@@ -504,18 +504,20 @@ class DramTier:
         ok = h["ready"][:, : self.ranks].all(axis=1) & (h["key"] == np.frombuffer(joined, dtype="V16"))
         return ok & (h["published"] == 1) if published else ok
 
-    def header_snapshot(self, slots: Sequence[int]) -> np.ndarray:
-        """A copy of the headers of ``slots`` (all in range), to check a copy
-        against once it has read them (:meth:`sealed_in`, :meth:`data_checks`,
+    def header_snapshot(self, slots: Sequence[int], keys: Sequence[bytes]) -> tuple[np.ndarray, list[bool]]:
+        """A copy of the headers of ``slots`` (a row per slot; a slot out of
+        range gets slot 0's), and whether each is sealed for its key by every
+        rank and published: a load's check before its copy, and what the
+        copy is checked against after it (:meth:`data_checks`,
         :meth:`headers_unchanged`)."""
-        return self._headers[np.asarray(slots, dtype=np.int64)].copy()
-
-    def sealed_in(self, headers: np.ndarray, keys: Sequence[bytes]) -> list[bool]:
-        """:meth:`sealed_many` with ``published``, read from a :meth:`header_snapshot`."""
-        joined = b"".join(keys)
-        if len(joined) != 16 * len(keys) or len(keys) != len(headers):
-            raise ValueError("one 16-byte key per header")
-        return self._sealed(headers, joined, True).tolist()
+        n = len(slots)
+        if n != len(keys):
+            raise ValueError(f"{n} slots for {len(keys)} keys")
+        at = np.asarray(slots, dtype=np.int64).reshape(n)
+        inside = (at >= 0) & (at < self.num_slots) & np.array([len(k) == 16 for k in keys], dtype=bool)
+        headers = self._headers[np.where(inside, at, 0)].copy()
+        joined = b"".join(k if len(k) == 16 else bytes(16) for k in keys)
+        return headers, (inside & self._sealed(headers, joined, True)).tolist()
 
     def headers_unchanged(self, slots: Sequence[int], headers: np.ndarray) -> list[bool]:
         """Whether each slot's header is still the one in ``headers`` (a
