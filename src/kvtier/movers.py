@@ -336,6 +336,8 @@ CLUSTER_THREADS = 2  # transfers in flight at once
 CLUSTER_RETRY_FIRST_S = 0.2
 CLUSTER_RETRY_MAX_S = 5.0
 CLUSTER_HEALTH_MISSES = 3  # failed health checks in a row that mark a reachable cluster down
+CLUSTER_AUDIT_KEYS = 512  # published blocks asked about with each health check while up
+CLUSTER_AUDIT_PASS_S = 5.0  # least time between two passes' lists (each one a walk of the index)
 
 
 class RemoteTier(Protocol):
@@ -393,6 +395,18 @@ class ClusterHost(Protocol):
         their way out of DRAM)."""
         ...
 
+    def _published_keys_locked(self) -> list[bytes]:
+        """The blocks published (or fetched) in the current epoch."""
+        ...
+
+    def _vanished_locked(self, keys: list[bytes], epoch: int) -> list[bytes]:
+        """The cluster no longer holds ``keys``, published in ``epoch``: they
+        count as unpublished. Returns the ones to publish again: with
+        write-through, each once an epoch (a block the cluster drops again
+        is one it evicts for room, not put back against it); none when
+        blocks are published on their way out of DRAM."""
+        ...
+
 
 class ClusterMover(_Jobs):
     """The cluster tier's threads: lookups, fetches (cluster -> DRAM slot) and
@@ -416,6 +430,15 @@ class ClusterMover(_Jobs):
     publishes again what it holds (``_republish_keys_locked``), as room
     frees, fresh saves first (:meth:`defer`). A quick
     restart is seen this way even when no health check failed.
+
+    A peer that leaves takes the blocks held in its segment with it and
+    leaves the mark (in this node's segment) alone. Each health check while
+    up therefore also asks the cluster about ``CLUSTER_AUDIT_KEYS`` of the
+    blocks this node counts as published, a pass over all of them after
+    another: those it no longer holds count as unpublished (published
+    again with write-through, once an epoch; on their way out of DRAM
+    otherwise), so a block is not evicted here on the belief that the
+    cluster keeps it.
     """
 
     def __init__(self, host: ClusterHost, lock: threading.RLock, counts: EventCounts, tier: DramTier,
@@ -431,6 +454,9 @@ class ClusterMover(_Jobs):
         self.epoch = 0  # bumped when the cluster lost this node's mark and when it is put again
         self._marked = False  # the mark was put in this epoch
         self._backlog: collections.deque[bytes] = collections.deque()  # blocks to publish again
+        self._audit: list[bytes] = []  # published blocks still to ask about in this pass
+        self._audit_epoch = -1  # the epoch the pass's list was taken in
+        self._audit_at = -CLUSTER_AUDIT_PASS_S  # when it was taken (time.monotonic)
         self._up = False
         self._closed = threading.Event()
         self._wake = threading.Event()
@@ -488,6 +514,7 @@ class ClusterMover(_Jobs):
                 healthy = self.remote.healthy()
                 if healthy:
                     self._check_mark()  # raises when the master cannot answer it: a failed check
+                    self._audit_step()
                 ok = healthy
             except ClusterError as err:
                 log.debug("kvtier cluster: not reachable yet: %s", err)
@@ -537,6 +564,38 @@ class ClusterMover(_Jobs):
             self._marked = True
             self.epoch += 1
             self._backlog = collections.deque(self._host._republish_keys_locked())
+            self._feed_locked()
+
+    def _audit_step(self) -> None:
+        """Ask the cluster about the next ``CLUSTER_AUDIT_KEYS`` published
+        blocks of the pass (a new pass, from the store's index, when the
+        epoch changed, or when the last one ended at least
+        ``CLUSTER_AUDIT_PASS_S`` after it began); those it no longer holds
+        count as unpublished. Raises ClusterError."""
+        with self._lock:
+            if not self._marked:
+                return
+            now = time.monotonic()
+            if self._audit_epoch != self.epoch or (not self._audit
+                                                   and now - self._audit_at >= CLUSTER_AUDIT_PASS_S):
+                self._audit = self._host._published_keys_locked()
+                self._audit_epoch, self._audit_at = self.epoch, now
+            epoch = self.epoch
+            keys = self._audit[-CLUSTER_AUDIT_KEYS:]
+            del self._audit[-CLUSTER_AUDIT_KEYS:]
+        if not keys:
+            return
+        gone = [k for k, held in zip(keys, self.remote.exists(keys)) if not held]
+        if not gone:
+            return
+        with self._lock:
+            if epoch != self.epoch:
+                return  # everything counts as unpublished already
+            again = self._host._vanished_locked(gone, epoch)
+            log.info("kvtier cluster: %d blocks this node published are no longer in the cluster (a peer "
+                     "that held them left, or the cluster evicted them)%s", len(gone),
+                     f"; publishing {len(again)} again" if again else "")
+            self._backlog.extend(again)
             self._feed_locked()
 
     # --- publishing again, as room frees ------------------------------------------

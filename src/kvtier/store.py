@@ -122,6 +122,7 @@ class _Entry:
     doomed: bool = False  # found bad: unreadable now, dropped as soon as nothing uses it
     cluster_epoch: int = -1  # the cluster mover's epoch in which it was published (or fetched): in the cluster while it lasts
     failed_epoch: int = -1  # the epoch in which a put of it failed: evicted as a plain block, not published again on the way out
+    vanished_epoch: int = -1  # the epoch in which the cluster was found without it (published again once an epoch)
     from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
 
 
@@ -192,6 +193,7 @@ class EventCounts:
     cluster_publish_skipped: int = 0  # not published: too many puts in flight, or left DRAM unpublished
     cluster_down: int = 0  # times the cluster became unreachable
     cluster_lost: int = 0  # times the cluster lost this node's mark (master restarted): published blocks published again
+    cluster_vanished: int = 0  # published blocks found no longer in the cluster (a peer left, or evicted there)
     pins_expired: int = 0  # pins released because their step stayed open past the lease (expire_pins)
 
 
@@ -1192,6 +1194,22 @@ class TieredStore:
         keys.reverse()
         return keys
 
+    def _published_keys_locked(self) -> list[bytes]:
+        return [k for k, e in self._entries.items() if self._in_cluster(e)]
+
+    def _vanished_locked(self, keys: list[bytes], epoch: int) -> list[bytes]:
+        again: list[bytes] = []
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.cluster_epoch != epoch:
+                continue  # gone from DRAM, or published again since the question
+            e.cluster_epoch = -1
+            self._c.cluster_vanished += 1
+            if not self._publish_on_evict and e.vanished_epoch != epoch:
+                e.vanished_epoch = epoch
+                again.append(key)
+        return again
+
     def _end_publish_locked(self, key: bytes, ok: bool, bad: bool, epoch: int) -> None:
         e = self._entries[key]
         if ok:
@@ -1267,7 +1285,7 @@ class TieredStore:
                 "cluster_corrupt": c.cluster_corrupt, "cluster_fetch_errors": c.cluster_fetch_errors,
                 "cluster_published": c.cluster_published, "cluster_publish_failures": c.cluster_publish_failures,
                 "cluster_publish_skipped": c.cluster_publish_skipped, "cluster_down": c.cluster_down,
-                "cluster_lost": c.cluster_lost,
+                "cluster_lost": c.cluster_lost, "cluster_vanished": c.cluster_vanished,
                 "cluster_up": int(self._cluster.up)}
 
     def statistics(self) -> StoreStatistics:

@@ -351,6 +351,76 @@ def test_blocks_published_before_a_master_restart_are_published_again(node: Tier
     assert all(node.contains(k) for k in keys)
 
 
+def test_a_block_the_cluster_drops_twice_is_published_again_once(node: TieredStore) -> None:
+    """Blocks removed from the cluster behind the node's back (as the
+    cluster's own eviction does) are found by its checks and put back once;
+    dropped again in the same epoch, they are counted and left out (the
+    cluster evicts them for room: putting them back would fight it)."""
+    keys = [block_key(90, i) for i in range(4)]
+    save_blocks(node, keys, 0, seed=90)
+    assert node.wait_idle(30)
+    client = node.cluster.remote._client()
+
+    def drop(ks: list[bytes]) -> None:
+        for k in ks:
+            assert client.remove(node.cluster.remote.name(k), True) == 0
+
+    def vanished(n: int) -> Callable[[], bool]:
+        return checked_now(node, lambda: node.counters()["cluster_vanished"] == n)
+
+    drop(keys[:2])
+    wait_for(vanished(2), what="the checks to find the two blocks gone")
+    assert node.wait_idle(30)
+    assert node.cluster.remote.exists(keys) == [True] * 4
+    drop(keys[:2])
+    wait_for(vanished(4), what="the checks to find them gone again")
+    assert node.wait_idle(30)
+    assert node.cluster.remote.exists(keys) == [False, False, True, True]
+    c = node.counters()
+    assert c["cluster_published"] == 6 and c["cluster_lost"] == 0
+    assert all(node.contains(k) for k in keys)
+
+
+@own_master  # the peer leaves: its segment must be the only other one
+def test_blocks_lost_with_a_peer_that_left_are_published_again(make_tier, peer: Peer, cluster_cfg: ClusterConfig,
+                                                               master: MasterSupervisor, tmp_path: Path,
+                                                               teardown_last: contextlib.ExitStack) -> None:
+    """A peer that leaves takes the blocks its segment held; the node's mark,
+    in the node's own segment, stays, so no new epoch tells the node. Its
+    health checks ask the cluster about what it published: the blocks gone
+    with the peer are counted and published again (write-through), to a
+    node that joined since, and the cluster holds every block again."""
+    # This node lends 16 MiB (Mooncake's least): its mark and at most 255 of
+    # the 320 blocks (64 KiB each); the others can only land in the peer's 64 MiB.
+    n = 320
+    tier = make_tier(4096 * 4 + (n + 8) * (RANK_BYTES + 128), RANK_BYTES)
+    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(replace(cluster_cfg, segment_bytes=16 << 20), tier),
+                        cluster_timeout_s=5.0)
+    try:
+        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
+        keys = [block_key(80, i) for i in range(n)]
+        assert None not in save_blocks(store, keys, 0, seed=80)
+        assert store.wait_idle(30)
+        assert store.counters()["cluster_published"] == n and store.cluster.remote.exists(keys) == [True] * n
+        # A second peer joins, then the first one leaves (closes: its segment
+        # is unmounted with what it held). The node's checks may find the
+        # loss and mend it before close() returns: the counters tell.
+        other = Peer(cluster_cfg, tmp_path)
+        teardown_last.callback(other.close)
+        peer.close()
+
+        def all_held() -> bool:
+            return store.cluster.remote.exists(keys) == [True] * n
+
+        wait_for(checked_now(store, all_held), timeout_s=60, what="the lost blocks to be published again")
+        c = store.counters()
+        assert c["cluster_lost"] == 0  # the mark stayed: the checks of published blocks did it
+        assert n - 255 <= c["cluster_vanished"] <= n
+        assert c["cluster_published"] == n + c["cluster_vanished"]
+    finally:
+        store.close()
+
+
 @own_master  # a dead peer stays mounted at the master for seconds: other tests' puts would land in it
 def test_peer_node_killed_is_a_miss_counted_and_the_store_lives(make_tier, peer: Peer,
                                                                 master: MasterSupervisor,

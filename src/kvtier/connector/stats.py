@@ -25,7 +25,7 @@ COUNTERS = (
     # ones the cluster said it held but that could not be used, by cause.
     "cluster_hits", "cluster_fetched", "cluster_gone", "cluster_corrupt", "cluster_fetch_errors",
     "cluster_published", "cluster_publish_failures", "cluster_publish_skipped", "cluster_down",
-    "cluster_lost",
+    "cluster_lost", "cluster_vanished",
 )
 # Gauges: the latest value wins.
 GAUGES = ("dram_slots_used", "dram_slots_total", "ssd_slots_used", "ssd_slots_total")

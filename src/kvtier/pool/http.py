@@ -121,7 +121,8 @@ def _cluster_metrics(svc: MetaService) -> Iterator[object]:
     if store is not None:
         c = store.counters()
         for name in ("cluster_lookups", "cluster_hits", "cluster_fetched", "cluster_published",
-                     "cluster_publish_failures", "cluster_publish_skipped", "cluster_down", "cluster_lost"):
+                     "cluster_publish_failures", "cluster_publish_skipped", "cluster_down", "cluster_lost",
+                     "cluster_vanished"):
             ev.add_metric([name.removeprefix("cluster_")], c.get(name, 0))
         for cause, name in (("gone", "cluster_gone"), ("corrupt", "cluster_corrupt"),
                             ("transfer_error", "cluster_fetch_errors")):
