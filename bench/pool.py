@@ -514,7 +514,9 @@ def run_ttft(args: argparse.Namespace) -> dict:
         return VllmServer(ServerOptions(kvtier=kvtier, env=env or {}, **common),
                           log_path=logs / f"vllm-{name}.log")
 
+    warm = {} if args.kv_warm_interval is None else {"kv_warm_interval_s": args.kv_warm_interval}
     out: dict = {"geometry": args.geometry, "dtype": args.dtype, "memcpy_GBps": memcpy_gbps(),
+                 "kv_warm_interval_s": args.kv_warm_interval,
                  "standalone_load_s": standalone_load_s(args),
                  "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                  "hit_reps": args.hit_reps, "gap": args.gap, "hits_only": args.hits_only,
@@ -536,13 +538,14 @@ def run_ttft(args: argparse.Namespace) -> dict:
         # 10 % between runs.
         with meta_service("tcp", args.dram_size) as meta:
             env = meta.env_for_clients()
-            pool_cfg = {"backend": "pool"}  # the service's address: from the files env names, as the seeds do
+            # The service's address: from the files env names, as the seeds do.
+            pool_cfg = {"backend": "pool"} | warm
             with server("pool-a", pool_cfg, env) as a, server("pool-b", pool_cfg, env) as b:
                 for s in (a, b):
                     ttft(client, s, prompt(999, 256))
                 cold, device, cross, same, dram, edevice = [], [], [], [], [], []
                 b_loads: list[float] = []  # B's load time (copy and checksum) of each pool hit
-                with server("embedded", {"dram_size": args.dram_size}) as e:
+                with server("embedded", {"dram_size": args.dram_size} | warm) as e:
                     ttft(client, e, prompt(999, 256))
                     before = b.metrics()
                     for i in range(args.rounds):
@@ -588,7 +591,8 @@ def print_ttft(res: dict) -> None:
     print(f"\n## TTFT across instances on the node pool, {res['prompt_tokens']}-token prompt, model "
           f"'{res['geometry']}' ({res.get('dtype', 'bfloat16')}), {res['rounds']} prompts x "
           f"{res.get('hit_reps', 1)} hits each, "
-          f"{res.get('gap', 0)} s quiet before each request (median)\n")
+          f"{res.get('gap', 0)} s quiet before each request, kv_warm_interval_s "
+          f"{'default' if res.get('kv_warm_interval_s') is None else res['kv_warm_interval_s']} (median)\n")
     print("| measure | value | peer | ratio of medians | median of paired ratios | goal |")
     print("|---|---|---|---|---|---|")
     print(f"| TTFT cold, instance A | {med(pool['cold_s']) * 1000:.0f} ms | | | | |")
@@ -675,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16",
                     help="ttft: the model's dtype (float32 for a real model on a CPU without bf16)")
     ap.add_argument("--chunk", type=int, default=2048, help="ttft: --max-num-batched-tokens")
+    ap.add_argument("--kv-warm-interval", type=float, default=None,
+                    help="ttft: the instances' kv_warm_interval_s (default: kvtier's; 0: off)")
     ap.add_argument("--hits-only", action="store_true", help="ttft: the hit measures only (no 0 %% hits phases)")
     args = ap.parse_args(argv)
 

@@ -227,6 +227,7 @@ class KvtierConfig:
     io_threads: int = 4
     demote_queue_blocks: int = 256
     promote_timeout_s: float = 5.0
+    kv_warm_interval_s: float = 5.0  # KV cache in host memory: a byte of each page read this often (0: never)
     # The node's meta service (backend pool): its URL and shared token. Empty:
     # from the config files named by MMC_LOCAL_CONFIG_PATH / MMC_META_CONFIG_PATH,
     # else tcp://127.0.0.1:5000; the token also from KVTIER_TOKEN.
@@ -268,6 +269,7 @@ _CONNECTOR_KEYS: dict[str, tuple[str, Callable[[str, object, str], object]]] = {
     "io_threads": ("io_threads", parse_int_range(1, 64)),
     "demote_queue_blocks": ("demote_queue_blocks", parse_int_range(1, 1 << 20)),
     "promote_timeout_s": ("promote_timeout_s", parse_seconds),
+    "kv_warm_interval_s": ("kv_warm_interval_s", parse_seconds),
     "meta_service_url": ("meta_service_url", parse_url_value),
     "token": ("token", parse_token),
 }

@@ -452,7 +452,7 @@ def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     # save_kv_layer in turn: saves are then queued after the whole forward.
     ubatching = bool(getattr(vllm_config.parallel_config, "use_ubatching", False))
     return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums, block_tokens=block_tokens,
-                      saves_per_layer=not ubatching)
+                      saves_per_layer=not ubatching, warm_interval_s=cfg.kv_warm_interval_s)
 
 
 def worker_rank_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int) -> int | None:

@@ -18,7 +18,11 @@ Runs in each vLLM worker process (one per rank). Per engine step:
 
 On CPU, copies are synchronous: a block copy is a memcpy far shorter than
 the forward pass that produced it (docs/benchmarks.md measures the cost),
-and a synchronous save cannot race vLLM freeing the block.
+and a synchronous save cannot race vLLM freeing the block. A thread reads
+a byte of each page of vLLM's KV cache every ``kv_warm_interval_s``
+(hostmem.PageWarmer): on a host that takes back memory a guest leaves
+untouched, loads would otherwise write into cold pages at a tenth of
+memory speed.
 
 On a CUDA device, copies run on a stream of the worker's own
 (copy.StreamCopies), between vLLM's blocks and the arena registered as
@@ -70,7 +74,7 @@ from kvtier.connector.copy import (
 )
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import KvtierStats
-from kvtier.hostmem import PinnedRegion, pin_host_memory
+from kvtier.hostmem import PageWarmer, PinnedRegion, pin_host_memory
 from kvtier.layout import KvLayout, LayoutKind
 from kvtier.tier.dram import DramTier, checksum
 
@@ -95,8 +99,10 @@ class _HeldStep:
 class WorkerSide:
     def __init__(self, rank: int, num_blocks: int, verify_checksums: bool = True,
                  kind: LayoutKind | None = None, block_tokens: int | None = None,
-                 saves_per_layer: bool = True) -> None:
+                 saves_per_layer: bool = True, warm_interval_s: float = 0.0) -> None:
         self.rank = rank
+        self.warm_interval_s = warm_interval_s
+        self._warmer: PageWarmer | None = None  # keeps a KV cache in host memory warm for loads
         # Device copies: queue a layer's saves as vLLM announces the layer
         # written (save_kv_layer). Not with microbatches: the first one's
         # call comes before the second has written the layer.
@@ -150,10 +156,24 @@ class WorkerSide:
         device = self._layers[0].device
         if device.type == "cuda":
             self._copies = StreamCopies(device)
+        elif device.type == "cpu" and self.warm_interval_s > 0:
+            self._warm(list(kv_caches.values()))
         log.info("kvtier: %d layers, %s layout%s, %d bytes per block per layer, %s copies",
                  len(self._layers), layout.kind.value,
                  f" ({layout.kernel_blocks} kernel blocks per block)" if layout.kernel_blocks > 1 else "",
                  layout.layer_block_bytes, "asynchronous device" if self._copies else "synchronous")
+
+    def _warm(self, tensors: list[torch.Tensor]) -> None:
+        """Keep the pages of vLLM's KV tensors (each storage once) warm
+        for the loads that write into them (:class:`PageWarmer`)."""
+        if self._warmer is not None:
+            self._warmer.close()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        self._warmer = PageWarmer(sorted(storages.items()), self.warm_interval_s, keep=tensors,
+                                  name=f"kvtier-warm-{self.rank}").start()
+        log.info("kvtier: reading a byte of each page of the KV cache (%d MiB) every %g s, so that loads do "
+                 "not write into memory the host left cold (kv_warm_interval_s)", self._warmer.bytes >> 20,
+                 self.warm_interval_s)
 
     def _attach(self, path: str) -> bool:
         """Map the arena at ``path``; a plan naming another arena than the
@@ -652,6 +672,9 @@ class WorkerSide:
         return stats
 
     def shutdown(self) -> None:
+        if self._warmer is not None:
+            self._warmer.close()
+            self._warmer = None
         self._join_verification()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

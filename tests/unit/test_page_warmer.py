@@ -1,0 +1,84 @@
+"""kvtier.hostmem.PageWarmer and the worker that runs it over vLLM's KV
+cache in host memory: every page read, nothing changed, the thread stopped
+on close.
+
+"Read every page" is observed as the kernel counts it: the first read of a
+page of fresh anonymous memory is a minor page fault of the reading thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import resource
+
+import numpy as np
+import torch
+
+from kvtier.connector.worker import WorkerSide
+from kvtier.hostmem import BASE_PAGE, WARM_CHUNK_BYTES, PageWarmer
+from tests.unit.helpers import BLOCK, wait_for
+
+
+def address(m: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def test_a_pass_reads_every_page_and_changes_nothing() -> None:
+    # Sizes that end inside a chunk and inside a page.
+    fresh = mmap.mmap(-1, WARM_CHUNK_BYTES + 5 * BASE_PAGE)
+    data = mmap.mmap(-1, 3 * BASE_PAGE + 100)
+    rng = np.random.default_rng(7)
+    before = rng.integers(0, 256, len(data), dtype=np.uint8).tobytes()
+    data[:] = before
+    warmer = PageWarmer([(address(fresh), len(fresh)), (address(data), len(data))], 60.0, keep=(fresh, data))
+    try:
+        assert warmer.bytes == len(fresh) + len(data)
+        f0 = faults()
+        warmer.touch()
+        assert faults() - f0 >= len(fresh) // BASE_PAGE  # every page of the untouched region read
+        assert warmer.passes == 1
+        assert data[:] == before and fresh[:] == bytes(len(fresh))
+        f1 = faults()
+        warmer.touch()  # now resident: no fault (a page or two of the interpreter's own may)
+        assert faults() - f1 < len(fresh) // BASE_PAGE // 2
+    finally:
+        warmer.close()
+
+
+def test_the_thread_passes_again_until_closed() -> None:
+    region = mmap.mmap(-1, 4 * BASE_PAGE)
+    warmer = PageWarmer([(address(region), len(region))], 0.01, keep=region).start()
+    wait_for(lambda: warmer.passes >= 3, what="three passes")
+    warmer.close()
+    assert not warmer._thread.is_alive()
+    done = warmer.passes
+    warmer.touch()  # closed: nothing left to read
+    assert warmer.passes == done
+
+
+def test_the_worker_keeps_a_cpu_kv_cache_warm_each_storage_once() -> None:
+    kv = torch.zeros(16, 2, BLOCK, 8, dtype=torch.float32)
+    w = WorkerSide(rank=0, num_blocks=16, warm_interval_s=0.01)
+    try:
+        # Two layers on one storage (KV shared across layers): read once.
+        w.register_kv_caches({"l0": kv, "l1": kv.view(16, 2, BLOCK, 8)})
+        assert w._warmer is not None and w._warmer.bytes == kv.untyped_storage().nbytes()
+        wait_for(lambda: w._warmer.passes >= 2, what="the worker's warmer to pass twice")
+        thread = w._warmer._thread
+        assert thread.name == "kvtier-warm-0"
+    finally:
+        w.shutdown()
+    assert not thread.is_alive() and w._warmer is None
+    assert bool((kv == 0).all())
+
+
+def test_no_warmer_when_off() -> None:
+    w = WorkerSide(rank=0, num_blocks=16, warm_interval_s=0.0)
+    w.register_kv_caches({"l0": torch.zeros(16, 2, BLOCK, 8, dtype=torch.float32)})
+    assert w._warmer is None
+    w.shutdown()
