@@ -349,7 +349,7 @@ class PageWarmer:
     what the loads would have paid, off their path. Reading never changes
     the memory, so it may run beside the engine's writes. The thread reads
     at most ``WARM_DUTY`` of the time: a pass that takes longer than that
-    share of ``interval_s`` (over ~28 GiB warm at 5 s) waits longer after it.
+    share of ``interval_s`` (over ~5 GiB warm at 1 s) waits longer after it.
 
     ``keep`` holds the objects that own the regions (the KV tensors): the
     regions stay mapped while the warmer may read them. ``passes`` counts
