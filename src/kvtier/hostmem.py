@@ -331,6 +331,7 @@ def _memlock_limit() -> str:
 
 WARM_CHUNK_BYTES = 16 << 20  # touched per call (4,096 pages, ~60 us warm): the thread yields between calls
 WARM_DUTY = 0.02  # most of its time the warmer spends reading: big regions get longer intervals
+WARM_MAX_WAIT_S = 20.0  # longest wait after a pass, however long it took (a cold pass takes ~100x a warm one)
 
 
 class PageWarmer:
@@ -349,7 +350,9 @@ class PageWarmer:
     what the loads would have paid, off their path. Reading never changes
     the memory, so it may run beside the engine's writes. The thread reads
     at most ``WARM_DUTY`` of the time: a pass that takes longer than that
-    share of ``interval_s`` (over ~5 GiB warm at 1 s) waits longer after it.
+    share of ``interval_s`` (over ~5 GiB warm at 1 s) waits longer after
+    it, up to ``WARM_MAX_WAIT_S`` (a pass over cold memory is slow, and a
+    wait in proportion would let the memory go cold again).
 
     ``keep`` holds the objects that own the regions (the KV tensors): the
     regions stay mapped while the warmer may read them. ``passes`` counts
@@ -391,7 +394,7 @@ class PageWarmer:
                 log.exception("kvtier: keeping host memory warm failed; stopped")
                 return
             took = time.monotonic() - began
-            self._stop.wait(max(self.interval_s - took, took * (1 / WARM_DUTY - 1)))
+            self._stop.wait(max(self.interval_s - took, min(took * (1 / WARM_DUTY - 1), WARM_MAX_WAIT_S)))
 
     def close(self) -> None:
         """Stop the thread and wait for it (a pass ends within one chunk)."""

@@ -336,8 +336,7 @@ CLUSTER_THREADS = 2  # transfers in flight at once
 CLUSTER_RETRY_FIRST_S = 0.2
 CLUSTER_RETRY_MAX_S = 5.0
 CLUSTER_HEALTH_MISSES = 3  # failed health checks in a row that mark a reachable cluster down
-CLUSTER_AUDIT_KEYS = 512  # published blocks asked about with each health check while up
-CLUSTER_AUDIT_PASS_S = 5.0  # least time between two passes' lists (each one a walk of the index)
+CLUSTER_AUDIT_KEYS = 512  # published blocks asked about with each health check during a pass
 
 
 class RemoteTier(Protocol):
@@ -359,6 +358,8 @@ class RemoteTier(Protocol):
     def fetch(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[Fetched]: ...
 
     def publish(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[bool]: ...
+
+    def capacity(self) -> int | None: ...
 
     def holds_mark(self) -> bool: ...
 
@@ -401,10 +402,9 @@ class ClusterHost(Protocol):
 
     def _vanished_locked(self, keys: list[bytes], epoch: int) -> list[bytes]:
         """The cluster no longer holds ``keys``, published in ``epoch``: they
-        count as unpublished. Returns the ones to publish again: with
-        write-through, each once an epoch (a block the cluster drops again
-        is one it evicts for room, not put back against it); none when
-        blocks are published on their way out of DRAM."""
+        count as unpublished. Returns the ones to publish again (with
+        write-through; none when blocks are published on their way out of
+        DRAM)."""
         ...
 
 
@@ -432,13 +432,15 @@ class ClusterMover(_Jobs):
     restart is seen this way even when no health check failed.
 
     A peer that leaves takes the blocks held in its segment with it and
-    leaves the mark (in this node's segment) alone. Each health check while
-    up therefore also asks the cluster about ``CLUSTER_AUDIT_KEYS`` of the
-    blocks this node counts as published, a pass over all of them after
-    another: those it no longer holds count as unpublished (published
-    again with write-through, once an epoch; on their way out of DRAM
-    otherwise), so a block is not evicted here on the belief that the
-    cluster keeps it.
+    leaves the mark (in this node's segment) alone. Each health check also
+    reads the cluster's capacity (the memory its nodes lend); when it is
+    lower than at the check before, a pass asks the cluster about every
+    block this node counts as published, ``CLUSTER_AUDIT_KEYS`` a check:
+    those it no longer holds count as unpublished (published again with
+    write-through, on their way out of DRAM otherwise), so a block is not
+    evicted here on the belief that the cluster keeps it. Only then:
+    Mooncake renews a key's lease when asked whether it exists, so asking
+    all the time would keep this node's blocks from its eviction.
     """
 
     def __init__(self, host: ClusterHost, lock: threading.RLock, counts: EventCounts, tier: DramTier,
@@ -456,7 +458,7 @@ class ClusterMover(_Jobs):
         self._backlog: collections.deque[bytes] = collections.deque()  # blocks to publish again
         self._audit: list[bytes] = []  # published blocks still to ask about in this pass
         self._audit_epoch = -1  # the epoch the pass's list was taken in
-        self._audit_at = -CLUSTER_AUDIT_PASS_S  # when it was taken (time.monotonic)
+        self._capacity: int | None = None  # the cluster's capacity at the last check that read it
         self._up = False
         self._closed = threading.Event()
         self._wake = threading.Event()
@@ -514,7 +516,10 @@ class ClusterMover(_Jobs):
                 healthy = self.remote.healthy()
                 if healthy:
                     self._check_mark()  # raises when the master cannot answer it: a failed check
-                    self._audit_step()
+                    try:
+                        self._audit_step()
+                    except ClusterError as err:  # the pass goes on at the next check; up stays up
+                        log.debug("kvtier cluster: asking about published blocks failed: %s", err)
                 ok = healthy
             except ClusterError as err:
                 log.debug("kvtier cluster: not reachable yet: %s", err)
@@ -567,19 +572,24 @@ class ClusterMover(_Jobs):
             self._feed_locked()
 
     def _audit_step(self) -> None:
-        """Ask the cluster about the next ``CLUSTER_AUDIT_KEYS`` published
-        blocks of the pass (a new pass, from the store's index, when the
-        epoch changed, or when the last one ended at least
-        ``CLUSTER_AUDIT_PASS_S`` after it began); those it no longer holds
-        count as unpublished. Raises ClusterError."""
+        """A pass begins (the published blocks listed from the store's
+        index) when the cluster's capacity dropped since the last check;
+        during a pass, ask the cluster about its next ``CLUSTER_AUDIT_KEYS``
+        blocks; those it no longer holds count as unpublished. A new epoch
+        ends a pass (everything counts as unpublished then). Raises ClusterError."""
+        capacity = self.remote.capacity()
         with self._lock:
+            if self._audit_epoch != self.epoch:
+                self._audit, self._audit_epoch = [], self.epoch
+            shrank = capacity is not None and self._capacity is not None and capacity < self._capacity
+            if capacity is not None:
+                self._capacity = capacity
             if not self._marked:
                 return
-            now = time.monotonic()
-            if self._audit_epoch != self.epoch or (not self._audit
-                                                   and now - self._audit_at >= CLUSTER_AUDIT_PASS_S):
+            if shrank:
                 self._audit = self._host._published_keys_locked()
-                self._audit_epoch, self._audit_at = self.epoch, now
+                log.info("kvtier cluster: the cluster's capacity dropped (a node left); asking about the %d "
+                         "blocks this node published", len(self._audit))
             epoch = self.epoch
             keys = self._audit[-CLUSTER_AUDIT_KEYS:]
             del self._audit[-CLUSTER_AUDIT_KEYS:]

@@ -122,7 +122,6 @@ class _Entry:
     doomed: bool = False  # found bad: unreadable now, dropped as soon as nothing uses it
     cluster_epoch: int = -1  # the cluster mover's epoch in which it was published (or fetched): in the cluster while it lasts
     failed_epoch: int = -1  # the epoch in which a put of it failed: evicted as a plain block, not published again on the way out
-    vanished_epoch: int = -1  # the epoch in which the cluster was found without it (published again once an epoch)
     from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
 
 
@@ -193,7 +192,7 @@ class EventCounts:
     cluster_publish_skipped: int = 0  # not published: too many puts in flight, or left DRAM unpublished
     cluster_down: int = 0  # times the cluster became unreachable
     cluster_lost: int = 0  # times the cluster lost this node's mark (master restarted): published blocks published again
-    cluster_vanished: int = 0  # published blocks found no longer in the cluster (a peer left, or evicted there)
+    cluster_vanished: int = 0  # published blocks found gone from the cluster after its capacity dropped (a peer left)
     pins_expired: int = 0  # pins released because their step stayed open past the lease (expire_pins)
 
 
@@ -1205,8 +1204,7 @@ class TieredStore:
                 continue  # gone from DRAM, or published again since the question
             e.cluster_epoch = -1
             self._c.cluster_vanished += 1
-            if not self._publish_on_evict and e.vanished_epoch != epoch:
-                e.vanished_epoch = epoch
+            if not self._publish_on_evict:
                 again.append(key)
         return again
 

@@ -351,45 +351,16 @@ def test_blocks_published_before_a_master_restart_are_published_again(node: Tier
     assert all(node.contains(k) for k in keys)
 
 
-def test_a_block_the_cluster_drops_twice_is_published_again_once(node: TieredStore) -> None:
-    """Blocks removed from the cluster behind the node's back (as the
-    cluster's own eviction does) are found by its checks and put back once;
-    dropped again in the same epoch, they are counted and left out (the
-    cluster evicts them for room: putting them back would fight it)."""
-    keys = [block_key(90, i) for i in range(4)]
-    save_blocks(node, keys, 0, seed=90)
-    assert node.wait_idle(30)
-    client = node.cluster.remote._client()
-
-    def drop(ks: list[bytes]) -> None:
-        for k in ks:
-            assert client.remove(node.cluster.remote.name(k), True) == 0
-
-    def vanished(n: int) -> Callable[[], bool]:
-        return checked_now(node, lambda: node.counters()["cluster_vanished"] == n)
-
-    drop(keys[:2])
-    wait_for(vanished(2), what="the checks to find the two blocks gone")
-    assert node.wait_idle(30)
-    assert node.cluster.remote.exists(keys) == [True] * 4
-    drop(keys[:2])
-    wait_for(vanished(4), what="the checks to find them gone again")
-    assert node.wait_idle(30)
-    assert node.cluster.remote.exists(keys) == [False, False, True, True]
-    c = node.counters()
-    assert c["cluster_published"] == 6 and c["cluster_lost"] == 0
-    assert all(node.contains(k) for k in keys)
-
-
 @own_master  # the peer leaves: its segment must be the only other one
 def test_blocks_lost_with_a_peer_that_left_are_published_again(make_tier, peer: Peer, cluster_cfg: ClusterConfig,
                                                                master: MasterSupervisor, tmp_path: Path,
                                                                teardown_last: contextlib.ExitStack) -> None:
     """A peer that leaves takes the blocks its segment held; the node's mark,
-    in the node's own segment, stays, so no new epoch tells the node. Its
-    health checks ask the cluster about what it published: the blocks gone
-    with the peer are counted and published again (write-through), to a
-    node that joined since, and the cluster holds every block again."""
+    in the node's own segment, stays, so no new epoch tells the node. The
+    cluster's capacity drops, and the node asks it about what it published:
+    the blocks gone with the peer are counted and published again
+    (write-through), to a node that joined since, and the cluster holds
+    every block again."""
     # This node lends 16 MiB (Mooncake's least): its mark and at most 255 of
     # the 320 blocks (64 KiB each); the others can only land in the peer's 64 MiB.
     n = 320
@@ -405,14 +376,20 @@ def test_blocks_lost_with_a_peer_that_left_are_published_again(make_tier, peer: 
         # A second peer joins, then the first one leaves (closes: its segment
         # is unmounted with what it held). The node's checks may find the
         # loss and mend it before close() returns: the counters tell.
+        wait_for(checked_now(store, lambda: store.cluster._capacity is not None), what="the capacity read")
+        lent = store.cluster._capacity
         other = Peer(cluster_cfg, tmp_path)
         teardown_last.callback(other.close)
+        # The node must have seen the second peer's memory: a drop is
+        # measured from the capacity of the check before.
+        wait_for(checked_now(store, lambda: store.cluster._capacity > lent), what="the capacity with the new peer")
         peer.close()
 
         def all_held() -> bool:
             return store.cluster.remote.exists(keys) == [True] * n
 
         wait_for(checked_now(store, all_held), timeout_s=60, what="the lost blocks to be published again")
+        assert store.wait_idle(30)  # the puts' ends counted
         c = store.counters()
         assert c["cluster_lost"] == 0  # the mark stayed: the checks of published blocks did it
         assert n - 255 <= c["cluster_vanished"] <= n

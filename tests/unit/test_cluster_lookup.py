@@ -42,6 +42,9 @@ class SlowMaster:
         self.busy = False
         return [False] * len(keys)
 
+    def capacity(self) -> int | None:
+        return None  # no master's metrics to read
+
     def holds_mark(self) -> bool:
         return True  # the node's mark, asked with each health check: answered at once here
 

@@ -42,6 +42,9 @@ class GatedMaster:
     def healthy(self) -> bool:
         return self.up
 
+    def capacity(self) -> int | None:
+        return None  # no master's metrics to read
+
     def holds_mark(self) -> bool:
         return self.mark
 

@@ -62,7 +62,8 @@ def test_the_thread_passes_again_until_closed() -> None:
 
 
 def test_the_worker_keeps_a_cpu_kv_cache_warm_each_storage_once() -> None:
-    kv = torch.zeros(16, 2, BLOCK, 8, dtype=torch.float32)
+    kv = torch.randn(16, 2, BLOCK, 8, dtype=torch.float32)
+    before = kv.clone()
     w = WorkerSide(rank=0, num_blocks=16, warm_interval_s=0.01)
     try:
         # Two layers on one storage (KV shared across layers): read once.
@@ -74,7 +75,19 @@ def test_the_worker_keeps_a_cpu_kv_cache_warm_each_storage_once() -> None:
     finally:
         w.shutdown()
     assert not thread.is_alive() and w._warmer is None
-    assert bool((kv == 0).all())
+    assert torch.equal(kv, before)
+
+
+def test_registering_again_lets_the_first_cache_go() -> None:
+    w = WorkerSide(rank=0, num_blocks=16, warm_interval_s=0.01)
+    try:
+        w.register_kv_caches({"l0": torch.zeros(16, 2, BLOCK, 8, dtype=torch.float32)})
+        first = w._warmer
+        assert first is not None
+        w.register_kv_caches({"l0": torch.zeros(16, 2, BLOCK, 8, dtype=torch.float32)})
+        assert not first._thread.is_alive() and w._warmer is not first
+    finally:
+        w.shutdown()
 
 
 def test_no_warmer_when_off() -> None:

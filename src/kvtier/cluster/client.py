@@ -13,6 +13,7 @@ Order of calls::
     tier.exists(keys)       -> [bool]     # batch_is_exist
     tier.fetch(keys, slots) -> [Fetched]  # batch_get_into_multi_buffers, straight into arena slots
     tier.publish(keys, slots) -> [bool]   # batch_put_from_multi_buffers, straight from arena slots
+    tier.capacity() -> int | None         # the memory the nodes lend (a drop: a peer left)
     tier.holds_mark() -> bool             # is this node's mark still in the cluster?
     tier.put_mark() -> bool               # put it (again)
     tier.close()                          # removes the mark
@@ -38,8 +39,9 @@ client, hard-pinned (never evicted for room), put in this node's own
 segment when it lends one. A master that restarts starts empty and loses
 the mark with everything else: the only sign a client gets (Mooncake's
 calls go on working against the new master). A peer that leaves takes the
-blocks held in its segment with it; the mark does not tell that (those
-blocks are misses, never wrong KV). The store's mover checks the mark
+blocks held in its segment with it; the mark does not tell that, the
+cluster's capacity does (:meth:`capacity`, read by the store's mover,
+which then asks about what this node published). The store's mover checks the mark
 with each health check and, when it is gone, puts it again and counts
 everything it had published as unpublished (see ``ClusterMover``). A node
 that dies without closing leaves its mark (64 bytes) in the cluster.
@@ -231,6 +233,31 @@ class MooncakeTier:
         """True when connected and the master answers."""
         store = self._store
         return store is not None and store.health_check() == 0
+
+    def capacity(self) -> int | None:
+        """The memory the cluster's nodes lend now (the master's
+        ``master_total_capacity_bytes``), or None when it cannot say: no
+        answer within half a second, or a highly available master (which
+        one leads, and at which metrics port, is not known here)."""
+        import urllib.request
+
+        cfg = self.cfg
+        if cfg.etcd_endpoints:
+            return None
+        host = f"[{cfg.master_host}]" if ":" in cfg.master_host else cfg.master_host
+        try:
+            with urllib.request.urlopen(f"http://{host}:{cfg.master_metrics_port}/metrics", timeout=0.5) as r:
+                text = r.read(1 << 20).decode("ascii", "replace")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "master_total_capacity_bytes":
+                try:
+                    return int(float(value))
+                except ValueError:
+                    return None
+        return None
 
     def holds_mark(self) -> bool:
         """Whether the cluster still holds this client's mark (False before

@@ -143,6 +143,9 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Read the layout of vLLM's KV tensors; a layout kvtier cannot read
         leaves the worker inert (one error line) instead of failing start-up."""
+        if self._warmer is not None:  # registered again: the old tensors are let go
+            self._warmer.close()
+            self._warmer = None
         try:
             layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self._kind, self.block_tokens)
         except ValueError as err:
@@ -165,12 +168,15 @@ class WorkerSide:
 
     def _warm(self, tensors: list[torch.Tensor]) -> None:
         """Keep the pages of vLLM's KV tensors (each storage once) warm
-        for the loads that write into them (:class:`PageWarmer`)."""
-        if self._warmer is not None:
-            self._warmer.close()
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        self._warmer = PageWarmer(sorted(storages.items()), self.warm_interval_s, keep=tensors,
-                                  name=f"kvtier-warm-{self.rank}").start()
+        for the loads that write into them (:class:`PageWarmer`); a
+        failure leaves them as they are (one line), the worker working."""
+        try:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+            self._warmer = PageWarmer(sorted(storages.items()), self.warm_interval_s, keep=tensors,
+                                      name=f"kvtier-warm-{self.rank}").start()
+        except Exception as err:  # noqa: BLE001 - an optimisation; the copies do not depend on it
+            log.warning("kvtier: the KV cache is not kept warm (kv_warm_interval_s): %s", err)
+            return
         log.info("kvtier: reading a byte of each page of the KV cache (%d MiB) every %g s, so that loads do "
                  "not write into memory the host left cold (kv_warm_interval_s)", self._warmer.bytes >> 20,
                  self.warm_interval_s)
