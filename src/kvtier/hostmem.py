@@ -334,6 +334,13 @@ WARM_DUTY = 0.02  # most of its time the warmer spends reading: big regions get 
 WARM_MAX_WAIT_S = 20.0  # longest wait after a pass, however long it took (a cold pass takes ~100x a warm one)
 
 
+def warm_wait_s(interval_s: float, took_s: float) -> float:
+    """How long the warmer waits after a pass that took ``took_s``: the rest
+    of ``interval_s``, or longer so that it reads at most ``WARM_DUTY`` of
+    the time, but never over ``WARM_MAX_WAIT_S``."""
+    return max(interval_s - took_s, min(took_s * (1 / WARM_DUTY - 1), WARM_MAX_WAIT_S))
+
+
 class PageWarmer:
     """Reads one byte of every 4 KiB page of some host memory regions every
     ``interval_s`` seconds, on a daemon thread.
@@ -393,8 +400,7 @@ class PageWarmer:
             except Exception:  # noqa: BLE001 - warming is an optimisation; never take the worker down
                 log.exception("kvtier: keeping host memory warm failed; stopped")
                 return
-            took = time.monotonic() - began
-            self._stop.wait(max(self.interval_s - took, min(took * (1 / WARM_DUTY - 1), WARM_MAX_WAIT_S)))
+            self._stop.wait(warm_wait_s(self.interval_s, time.monotonic() - began))
 
     def close(self) -> None:
         """Stop the thread and wait for it (a pass ends within one chunk)."""

@@ -16,7 +16,10 @@ import numpy as np
 import torch
 
 from kvtier.connector.worker import WorkerSide
-from kvtier.hostmem import BASE_PAGE, WARM_CHUNK_BYTES, PageWarmer
+import pytest
+
+from kvtier.connector import worker as worker_module
+from kvtier.hostmem import BASE_PAGE, WARM_CHUNK_BYTES, WARM_MAX_WAIT_S, PageWarmer, warm_wait_s
 from tests.unit.helpers import BLOCK, wait_for
 
 
@@ -94,4 +97,27 @@ def test_no_warmer_when_off() -> None:
     w = WorkerSide(rank=0, num_blocks=16, warm_interval_s=0.0)
     w.register_kv_caches({"l0": torch.zeros(16, 2, BLOCK, 8, dtype=torch.float32)})
     assert w._warmer is None
+    w.shutdown()
+
+
+@pytest.mark.parametrize(("interval", "took", "wait"), [
+    (1.0, 0.0035, 0.9965),  # a warm pass over 1 GiB: the rest of the second
+    (1.0, 0.1, 4.9),  # a pass of 100 ms: 2 % of the time reading
+    (1.0, 6.6, WARM_MAX_WAIT_S),  # a cold pass over 10 GiB: not 320 s, or the memory goes cold again
+    (30.0, 0.0, 30.0),
+])
+def test_the_wait_after_a_pass(interval: float, took: float, wait: float) -> None:
+    assert warm_wait_s(interval, took) == pytest.approx(wait)
+
+
+def test_a_warmer_that_cannot_start_leaves_the_worker_working(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(*args: object, **kwargs: object) -> PageWarmer:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(worker_module, "PageWarmer", refuse)
+    w = WorkerSide(rank=0, num_blocks=16, warm_interval_s=1.0)
+    w.register_kv_caches({"l0": torch.zeros(16, 2, BLOCK, 8, dtype=torch.float32)})
+    assert w._warmer is None and w.inert_reason == "" and w.layout is not None
+    assert "not kept warm" in caplog.text and "can't start new thread" in caplog.text
     w.shutdown()

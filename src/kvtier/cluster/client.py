@@ -94,17 +94,40 @@ class Fetched(enum.Enum):
     ERROR = "error"  # the transfer failed (master or peer unreachable, timeout)
 
 
-def master_ready(cfg: ClusterConfig, timeout_s: float = 1.0) -> bool:
-    """True when the master's metrics endpoint reports it serving (``service_ready=true``)."""
+def _master_http(cfg: ClusterConfig, path: str, limit: int, timeout_s: float) -> bytes | None:
+    """The body of ``path`` on the master's metrics endpoint, None when it does not answer."""
+    import http.client
     import urllib.request
 
     host = f"[{cfg.master_host}]" if ":" in cfg.master_host else cfg.master_host
     try:
-        with urllib.request.urlopen(f"http://{host}:{cfg.master_metrics_port}/metrics/summary",
-                                    timeout=timeout_s) as r:
-            return b"service_ready=true" in r.read(1 << 16)
-    except OSError:
-        return False
+        with urllib.request.urlopen(f"http://{host}:{cfg.master_metrics_port}{path}", timeout=timeout_s) as r:
+            return r.read(limit)
+    except (OSError, ValueError, http.client.HTTPException):  # refused, timed out, cut short, not HTTP
+        return None
+
+
+def master_ready(cfg: ClusterConfig, timeout_s: float = 1.0) -> bool:
+    """True when the master's metrics endpoint reports it serving (``service_ready=true``)."""
+    body = _master_http(cfg, "/metrics/summary", 1 << 16, timeout_s)
+    return body is not None and b"service_ready=true" in body
+
+
+def master_figures(cfg: ClusterConfig, timeout_s: float = 0.5) -> dict[str, float]:
+    """The unlabelled figures of the master's Prometheus ``/metrics`` (name
+    -> value: ``master_total_capacity_bytes``, ``master_key_count``, ...);
+    {} when it does not answer."""
+    body = _master_http(cfg, "/metrics", 1 << 20, timeout_s)
+    out: dict[str, float] = {}
+    for line in (body or b"").decode("ascii", "replace").splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("#") or "{" in name:
+            continue
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
 
 
 def master_entry(cfg: ClusterConfig) -> str:
@@ -239,25 +262,10 @@ class MooncakeTier:
         ``master_total_capacity_bytes``), or None when it cannot say: no
         answer within half a second, or a highly available master (which
         one leads, and at which metrics port, is not known here)."""
-        import urllib.request
-
-        cfg = self.cfg
-        if cfg.etcd_endpoints:
+        if self.cfg.etcd_endpoints:
             return None
-        host = f"[{cfg.master_host}]" if ":" in cfg.master_host else cfg.master_host
-        try:
-            with urllib.request.urlopen(f"http://{host}:{cfg.master_metrics_port}/metrics", timeout=0.5) as r:
-                text = r.read(1 << 20).decode("ascii", "replace")
-        except OSError:
-            return None
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name == "master_total_capacity_bytes":
-                try:
-                    return int(float(value))
-                except ValueError:
-                    return None
-        return None
+        lent = master_figures(self.cfg).get("master_total_capacity_bytes")
+        return None if lent is None else int(lent)
 
     def holds_mark(self) -> bool:
         """Whether the cluster still holds this client's mark (False before

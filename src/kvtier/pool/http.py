@@ -160,23 +160,14 @@ def _master_usage(svc: MetaService) -> dict[str, float]:
     cfg = svc.opts.cluster
     if cfg is None:
         return {}
-    import httpx
+    from kvtier.cluster.client import master_figures
 
-    try:
-        host = f"[{cfg.master_host}]" if ":" in cfg.master_host else cfg.master_host
-        text = httpx.get(f"http://{host}:{cfg.master_metrics_port}/metrics", timeout=0.5).text
-    except (httpx.HTTPError, httpx.InvalidURL):
-        return {}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
+    for name, value in master_figures(cfg).items():
         key = _MASTER_GAUGES.get(name) or (name.removeprefix("master_") if name.startswith("master_") and
-                                           "evict" in name and "{" not in name else None)
+                                           "evict" in name else None)
         if key:
-            try:
-                out[key] = float(value)
-            except ValueError:
-                continue
+            out[key] = value
     return out
 
 
