@@ -76,12 +76,16 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
     the store gets a Mooncake client over its arena, which joins the
     cluster's master in the background (kvtier/cluster/client.py).
 
+    The arena's pages are read every ``cfg.kv_warm_interval_s``
+    (:meth:`DramTier.keep_warm`) while it is open.
+
     ``reaper``: start the process that removes the arena when its owner
     dies (an engine); a meta service keeps its arena for a restart to adopt.
     What was created is removed again if a later part fails.
     """
     if tier is None:
         tier = DramTier.create(arena, cfg.dram_size_bytes, rank_bytes, ranks)
+    tier.keep_warm(cfg.kv_warm_interval_s)
     if reaper:
         try:
             # vLLM stops its engine core with SIGKILL right after SIGTERM: the

@@ -58,3 +58,45 @@ def test_a_restart_recovers_the_ssd_tier_and_force_new_disk_starts_it_empty(shm_
         assert on_ssd(store) > 0
     finally:
         close_store(store)
+
+
+def resident_bytes(path: str) -> int:
+    """This process's resident bytes of its mapping of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's first line: "start-end perms ... path"
+                inside = line.rstrip("\n").endswith(" " + path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_the_arena_owner_reads_every_page_of_it_until_closed(shm_path: str, tmp_path: Path) -> None:
+    import mmap
+
+    from tests.unit.helpers import wait_for
+
+    store = start(shm_path, tmp_path / "ssd.img", kv_warm_interval_s=60)
+    tier = store.tier
+    warmer = tier._warmer
+    try:
+        assert warmer is not None and warmer.bytes == tier.mapped_range[1]
+        wait_for(lambda: warmer.passes >= 1, what="the first pass over the arena")
+        # Drop the mapping's pages (the file keeps them): a pass maps every
+        # one of them again.
+        tier._mm.madvise(mmap.MADV_DONTNEED)
+        assert resident_bytes(shm_path) < tier.mapped_range[1] // 2
+        warmer.touch()
+        assert resident_bytes(shm_path) >= tier.mapped_range[1]
+    finally:
+        close_store(store)
+    assert not warmer._thread.is_alive() and tier._warmer is None
+
+
+def test_no_arena_warmer_when_off(shm_path: str, tmp_path: Path) -> None:
+    store = start(shm_path, tmp_path / "ssd.img", kv_warm_interval_s=0)
+    try:
+        assert store.tier._warmer is None
+    finally:
+        close_store(store)

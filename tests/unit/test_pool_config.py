@@ -193,6 +193,7 @@ USED: dict[str, tuple[str, str, object, str]] = {
     "kvtier.shm_dir": ("/dev/hugepages", "shm_dir", "/dev/hugepages", ""),
     "kvtier.ssd_size": ("64GB", "ssd_size_bytes", 64 * GIB, SSD_ON),
     "kvtier.io_threads": ("8", "io_threads", 8, ""),
+    "kvtier.warm_interval": ("2.5s", "warm_interval_s", 2.5, ""),
     "kvtier.node_service_url": ("tcp://127.0.0.1:5010", "node_service_url", "tcp://127.0.0.1:5010", ""),
     "kvtier.cluster.enabled": ("true", "cluster_enabled", True, ""),
     "kvtier.cluster.master_port": ("50061", "cluster_master_port", 50061, CLUSTER_ON),
@@ -307,6 +308,7 @@ BAD: list[tuple[str, str, str]] = [
     ("ubsio.standalone.device_count", "0", "from 1 to 1024"),
     ("ubsio.standalone.force_new_disk", "2", "true or false"),
     ("kvtier.io_threads", "65", "from 1 to 64"),
+    ("kvtier.warm_interval", "-1", "seconds"),
     ("kvtier.shm_dir", "dev/shm", "absolute"),
     ("kvtier.ssd_size", "lots", "size"),
 ]
@@ -602,12 +604,13 @@ def test_store_config(tmp_path: Path) -> None:
                                         "ock.mmc.evict_threshold_high = 70\nock.mmc.evict_threshold_low = 60\n"
                                         "ock.mmc.rewarm.dram_watermark = 90\nkvtier.ssd_size = 8GB\n"
                                         "ubsio.standalone.force_new_disk = true\nkvtier.io_threads = 2\n"
-                                        "kvtier.shm_dir = /tmp\n")
+                                        "kvtier.shm_dir = /tmp\nkvtier.warm_interval = 0\n")
     assert cfg.store_config() == KvtierConfig(
         dram_size_bytes=6 * GIB, evict_threshold_high=70.0, evict_threshold_low=60.0, shm_dir="/tmp",
         ssd_paths=("/tmp/kvtier-ssd",), ssd_size_bytes=8 * GIB, force_new_disk=True, rewarm_dram_watermark=90.0,
-        io_threads=2)
+        io_threads=2, kv_warm_interval_s=0.0)
     assert PoolConfig().store_config().dram_size_bytes == GIB
+    assert PoolConfig().store_config().kv_warm_interval_s == 1.0
 
 
 def test_pool_config_is_frozen() -> None:
