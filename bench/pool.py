@@ -28,7 +28,8 @@ Three measurements, each against a peer measured in the same run:
   device hit on A and against the DRAM hit of an embedded-backend instance
   running beside them, sample by sample; and with
   no prefix ever repeated, TTFT and throughput of two instances on the
-  pool against two instances of vLLM alone. Goals: cross-instance hit <=
+  pool against two instances of vLLM alone running beside them, request
+  by request and run by run in turn. Goals: cross-instance hit <=
   1.15x the device hit and within 5 % of the embedded hit; 0 % hits within
   3 % of vLLM alone. Also B's load time of each hit (copies and
   checksums, from its counters) against the same load outside vLLM
@@ -483,32 +484,52 @@ def run_ttft(args: argparse.Namespace) -> dict:
     def ttft(client: httpx.Client, srv: VllmServer, p: list[int]) -> float:
         return quiet_ttft(client, srv.url, p, args.gap)  # see quiet_ttft on why the gap
 
-    def no_hits(client: httpx.Client, a: VllmServer, b: VllmServer, seed0: int, extra_pids: list[int]) -> dict:
-        """Distinct prompts, none repeated: TTFT one at a time (A and B in
-        turn), then throughput of concurrent 2k-token prompts split over both.
-        Also the CPU seconds every process of the configuration used for it."""
-        pids = a.pids() + b.pids() + extra_pids
-        cpu0 = cpu_by_process(pids)
-        n_ttft = 2 * args.rounds  # as many on A as on B
-        ttfts = [ttft(client, (a, b)[i % 2], prompt(seed0 + i, args.prompt_tokens)) for i in range(n_ttft)]
-        rates, tokens = [], 0
+    def no_hits(client: httpx.Client, configs: dict[str, tuple[VllmServer, VllmServer, list[int]]],
+                seed0: int) -> dict[str, dict]:
+        """0 % hits, every configuration (two instances and any other
+        process of theirs) up at once and measured in turn: distinct
+        prompts, none repeated, each sent to every configuration (the order
+        alternating) on instance A and B in turn; then throughput of
+        concurrent 2k-token prompts split over a configuration's two
+        instances, configurations in turn. Side by side in time, so that a
+        slow phase of the machine falls on both (measured one configuration
+        after the other, the two drifted 5-12 % apart between runs). Also
+        the CPU seconds every process of each configuration used meanwhile,
+        idle ones included."""
+        names = list(configs)
+        pids = {n: a.pids() + b.pids() + extra for n, (a, b, extra) in configs.items()}
+        cpu0 = {n: cpu_by_process(p) for n, p in pids.items()}
+        ttfts: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(2 * args.rounds):  # as many on A as on B
+            p = prompt(seed0 + i, args.prompt_tokens)
+            for n in names if i % 2 == 0 else names[::-1]:
+                ttfts[n].append(ttft(client, configs[n][i % 2], p))
+        rates: dict[str, list[float]] = {n: [] for n in names}
+        tokens = dict.fromkeys(names, 0)
         for rep in range(args.tput_reps):
             prompts = [prompt(seed0 + 1000 * (rep + 1) + i, 2048) for i in range(args.concurrency)]
-            time.sleep(args.gap)
-            t = time.perf_counter()
-            with ThreadPoolExecutor(args.concurrency) as ex:
-                rs = list(ex.map(lambda ip: stream_completion(client, (a, b)[ip[0] % 2].url, ip[1],
-                                                              max_tokens=64, ignore_eos=True), enumerate(prompts)))
-            wall = time.perf_counter() - t
-            if not all(r.ok for r in rs):
-                raise RuntimeError([r.error for r in rs if not r.ok])
-            n = sum(r.prompt_tokens + r.completion_tokens for r in rs)
-            tokens += n
-            rates.append(n / wall)
-        cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_by_process(pids).items()}
-        all_tokens = tokens + n_ttft * (args.prompt_tokens + 4)
-        return {"ttft_s": statistics.median(ttfts), "ttfts": ttfts, "tokens_per_s": statistics.median(rates),
-                "rates": rates, "cpu_s": cpu, "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / all_tokens}
+            for n in names if rep % 2 == 0 else names[::-1]:
+                pair = configs[n][:2]
+                time.sleep(args.gap)
+                t = time.perf_counter()
+                with ThreadPoolExecutor(args.concurrency) as ex:
+                    rs = list(ex.map(lambda ip: stream_completion(client, pair[ip[0] % 2].url, ip[1],
+                                                                  max_tokens=64, ignore_eos=True),
+                                     enumerate(prompts)))
+                wall = time.perf_counter() - t
+                if not all(r.ok for r in rs):
+                    raise RuntimeError([r.error for r in rs if not r.ok])
+                got = sum(r.prompt_tokens + r.completion_tokens for r in rs)
+                tokens[n] += got
+                rates[n].append(got / wall)
+        out = {}
+        for n in names:
+            cpu = {k: v - cpu0[n].get(k, 0.0) for k, v in cpu_by_process(pids[n]).items()}
+            all_tokens = tokens[n] + len(ttfts[n]) * (args.prompt_tokens + 4)
+            out[n] = {"ttft_s": statistics.median(ttfts[n]), "ttfts": ttfts[n],
+                      "tokens_per_s": statistics.median(rates[n]), "rates": rates[n], "cpu_s": cpu,
+                      "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / all_tokens}
+        return out
 
     def server(name: str, kvtier: dict | None, env: dict | None = None) -> VllmServer:
         return VllmServer(ServerOptions(kvtier=kvtier, env=env or {}, **common),
@@ -522,27 +543,29 @@ def run_ttft(args: argparse.Namespace) -> dict:
                  "hit_reps": args.hit_reps, "gap": args.gap, "hits_only": args.hits_only,
                  "logs": str(logs)}
     with httpx.Client(timeout=600) as client:
-        # 1. vLLM alone, two instances: the 0 % hits peer.
-        if not args.hits_only:
-            with server("plain-a", None) as a, server("plain-b", None) as b:
-                for s in (a, b):
-                    ttft(client, s, prompt(999, 256))  # the first request pays one-time set-up
-                out["plain"] = no_hits(client, a, b, seed0=10_000, extra_pids=[])
-
-        # 2. Two instances on one meta service (A, B) and, for the hits, one
-        # instance of the embedded backend (E) beside them. Every sample takes
-        # E's device hit, A's device hit, B's pool hit and E's DRAM hit one
-        # after the other, so each ratio compares requests seconds apart: a
-        # 50 ms request on two shared cores spreads 36-122 ms, and measuring
-        # E in a phase of its own made the pool-vs-embedded ratio swing by
-        # 10 % between runs.
+        # Two instances on one meta service (A, B); for 0 % hits two
+        # instances of vLLM alone beside them, then, for the hits, one
+        # instance of the embedded backend (E) in their place.
         with meta_service("tcp", args.dram_size) as meta:
             env = meta.env_for_clients()
             # The service's address: from the files env names, as the seeds do.
             pool_cfg = {"backend": "pool"} | warm
             with server("pool-a", pool_cfg, env) as a, server("pool-b", pool_cfg, env) as b:
                 for s in (a, b):
-                    ttft(client, s, prompt(999, 256))
+                    ttft(client, s, prompt(999, 256))  # the first request pays one-time set-up
+                if not args.hits_only:
+                    with server("plain-a", None) as pa, server("plain-b", None) as pb:
+                        for s in (pa, pb):
+                            ttft(client, s, prompt(999, 256))
+                        zero = no_hits(client, {"plain": (pa, pb, []), "pool": (a, b, [meta.proc.pid])},
+                                       seed0=10_000)
+                    out["plain"] = zero["plain"]
+                # Every sample takes E's device hit, A's device hit, B's pool
+                # hit and E's DRAM hit one after the other, so each ratio
+                # compares requests seconds apart: a 50 ms request on two
+                # shared cores spreads 36-122 ms, and measuring E in a phase
+                # of its own made the pool-vs-embedded ratio swing by 10 %
+                # between runs.
                 cold, device, cross, same, dram, edevice = [], [], [], [], [], []
                 b_loads: list[float] = []  # B's load time (copy and checksum) of each pool hit
                 with server("embedded", {"dram_size": args.dram_size} | warm) as e:
@@ -567,8 +590,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
                         same.append(ttft(client, a, p))  # A's own blocks, back from the pool
                     after = b.metrics()
                 out["embedded"] = {"dram_s": dram, "device_s": edevice}
-                out["pool"] = {} if args.hits_only else \
-                    no_hits(client, a, b, seed0=40_000, extra_pids=[meta.proc.pid])
+                out["pool"] = {} if args.hits_only else zero["pool"]
                 out["pool"].update(cold_s=cold, device_s=device, cross_s=cross, same_s=same)
                 got = {k: after.get(k, 0.0) - before.get(k, 0.0)
                        for k in ("vllm:external_prefix_cache_hits_total", "kvtier_blocks_loaded_total",
