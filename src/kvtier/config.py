@@ -227,7 +227,7 @@ class KvtierConfig:
     io_threads: int = 4
     demote_queue_blocks: int = 256
     promote_timeout_s: float = 5.0
-    kv_warm_interval_s: float = 1.0  # KV cache in host memory: a byte of each page read this often (0: never)
+    kv_warm_interval_s: float = 5.0  # KV cache in host memory: a byte of each page read this often (0: never)
     # The node's meta service (backend pool): its URL and shared token. Empty:
     # from the config files named by MMC_LOCAL_CONFIG_PATH / MMC_META_CONFIG_PATH,
     # else tcp://127.0.0.1:5000; the token also from KVTIER_TOKEN.

@@ -76,7 +76,7 @@ def test_every_key_parsed() -> None:
 
 
 def test_the_kv_warm_interval_is_seconds_and_zero_turns_it_off() -> None:
-    assert KvtierConfig().kv_warm_interval_s == 1.0
+    assert KvtierConfig().kv_warm_interval_s == 5.0
     assert parse_connector_config({"kv_warm_interval_s": "2.5s"}, check_memory=False).kv_warm_interval_s == 2.5
     assert parse_connector_config({"kv_warm_interval_s": 0}, check_memory=False).kv_warm_interval_s == 0.0
 

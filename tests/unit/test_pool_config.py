@@ -610,7 +610,7 @@ def test_store_config(tmp_path: Path) -> None:
         ssd_paths=("/tmp/kvtier-ssd",), ssd_size_bytes=8 * GIB, force_new_disk=True, rewarm_dram_watermark=90.0,
         io_threads=2, kv_warm_interval_s=0.0)
     assert PoolConfig().store_config().dram_size_bytes == GIB
-    assert PoolConfig().store_config().kv_warm_interval_s == 1.0
+    assert PoolConfig().store_config().kv_warm_interval_s == 5.0
 
 
 def test_pool_config_is_frozen() -> None:

@@ -373,7 +373,7 @@ KEYS: dict[str, PoolKey] = {k.name: k for k in [
     _used("kvtier.shm_dir", "shm_dir", _parse_abs_path, "local", "/dev/shm"),
     _used("kvtier.ssd_size", "ssd_size_bytes", parse_size, "local", "64GB"),
     _used("kvtier.io_threads", "io_threads", parse_int_range(1, 64), "local", "4"),
-    _used("kvtier.warm_interval", "warm_interval_s", parse_seconds, "local", "1"),
+    _used("kvtier.warm_interval", "warm_interval_s", parse_seconds, "local", "5"),
     # The cluster tier (Mooncake Store under the node pool; docs/configuration.md)
     _used("kvtier.node_service_url", "node_service_url", parse_service_url, "local", "tcp://127.0.0.1:5010"),
     _used("kvtier.cluster.enabled", "cluster_enabled", parse_bool, "local", "true"),
@@ -440,7 +440,7 @@ class PoolConfig:
     token: str | None = field(default=None, repr=False)
     shm_dir: str = "/dev/shm"
     io_threads: int = 4
-    warm_interval_s: float = 1.0  # the arena: a byte of each page read this often (0: never)
+    warm_interval_s: float = 5.0  # the arena: a byte of each page read this often (0: never)
     log_level: int = logging.INFO
     # The cluster tier: off unless cluster_enabled. The master runs on the
     # host of meta_url (the master node), found by other nodes through the
