@@ -11,6 +11,7 @@ the memory limit of the current cgroup.
 from __future__ import annotations
 
 import enum
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -118,7 +119,7 @@ def parse_seconds(key: str, value: object, source: str = "") -> float:
         t = float(str(value).strip().rstrip("s")) if not isinstance(value, bool) else -1.0
     except ValueError:
         t = -1.0
-    if not t >= 0:
+    if not 0 <= t < math.inf:
         raise ConfigError(key, value, "expected a number of seconds, 0 or more", source)
     return t
 
@@ -227,7 +228,9 @@ class KvtierConfig:
     io_threads: int = 4
     demote_queue_blocks: int = 256
     promote_timeout_s: float = 5.0
-    kv_warm_interval_s: float = 5.0  # KV cache in host memory: a byte of each page read this often (0: never)
+    # KV cache in host memory (and the arena, embedded): a byte of each page
+    # read this often; 0: never; None: hostmem.warm_interval_s decides (5 s on a VM).
+    kv_warm_interval_s: float | None = None
     # The node's meta service (backend pool): its URL and shared token. Empty:
     # from the config files named by MMC_LOCAL_CONFIG_PATH / MMC_META_CONFIG_PATH,
     # else tcp://127.0.0.1:5000; the token also from KVTIER_TOKEN.

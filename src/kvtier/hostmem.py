@@ -4,8 +4,9 @@ device copies; and keeping host memory warm for the copies into it.
 
 Facts are read from /proc and /sys at start-up (configuration checks,
 arena creation). :func:`pin_host_memory` runs in a worker process whose KV
-lives on a CUDA device, once per arena it maps; :class:`PageWarmer` in a
-worker process whose KV lives in host memory, on a thread of its own.
+lives on a CUDA device, once per arena it maps; :class:`PageWarmer` on a
+thread of its own, in a worker process whose KV lives in host memory and
+in the process that owns the arena.
 Nothing here is on a serving path.
 """
 
@@ -329,6 +330,32 @@ def _memlock_limit() -> str:
     return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024} KiB"
 
 
+WARM_INTERVAL_S = 5.0  # the warmers' interval on a virtual machine when not configured
+
+
+def on_virtual_machine(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU says it runs under a hypervisor (the ``hypervisor``
+    flag x86 CPUs show a guest). Only a VM's host takes back memory left
+    alone; on bare metal a warmer would cost CPU for nothing. False when
+    it cannot tell (another architecture, no /proc)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "hypervisor" in line.split(":", 1)[-1].split()
+    except OSError:
+        pass
+    return False
+
+
+def warm_interval_s(configured: float | None) -> float:
+    """The warmers' interval: ``configured``, or when None
+    :data:`WARM_INTERVAL_S` on a virtual machine and 0 (off) elsewhere."""
+    if configured is not None:
+        return configured
+    return WARM_INTERVAL_S if on_virtual_machine() else 0.0
+
+
 WARM_CHUNK_BYTES = 16 << 20  # touched per call (4,096 pages, ~60 us warm): the thread yields between calls
 WARM_DUTY = 0.02  # most of its time the warmer spends reading: big regions get longer intervals
 WARM_MAX_WAIT_S = 20.0  # longest wait after a pass, however long it took (a cold pass takes ~100x a warm one)
@@ -357,7 +384,7 @@ class PageWarmer:
     what the loads would have paid, off their path. Reading never changes
     the memory, so it may run beside the engine's writes. The thread reads
     at most ``WARM_DUTY`` of the time: a pass that takes longer than that
-    share of ``interval_s`` (over ~5 GiB warm at 1 s) waits longer after
+    share of ``interval_s`` (over ~28 GiB warm and idle at 5 s) waits longer after
     it, up to ``WARM_MAX_WAIT_S`` (a pass over cold memory is slow, and a
     wait in proportion would let the memory go cold again).
 

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvtier.config import ClusterConfig, KvtierConfig, PublishOn
+from kvtier.hostmem import warm_interval_s
 from kvtier.store import Probe, SaveSlots, TieredStore
 from kvtier.tier.dram import DramTier, start_reaper
 from kvtier.tier.ssd import SsdTier
@@ -77,7 +78,8 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
     cluster's master in the background (kvtier/cluster/client.py).
 
     The arena's pages are read every ``cfg.kv_warm_interval_s``
-    (:meth:`DramTier.keep_warm`) while it is open.
+    (:meth:`DramTier.keep_warm`, :func:`kvtier.hostmem.warm_interval_s`)
+    while it is open.
 
     ``reaper``: start the process that removes the arena when its owner
     dies (an engine); a meta service keeps its arena for a restart to adopt.
@@ -85,7 +87,6 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
     """
     if tier is None:
         tier = DramTier.create(arena, cfg.dram_size_bytes, rank_bytes, ranks)
-    tier.keep_warm(cfg.kv_warm_interval_s)
     if reaper:
         try:
             # vLLM stops its engine core with SIGKILL right after SIGTERM: the
@@ -94,6 +95,14 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
         except (OSError, subprocess.SubprocessError) as err:
             log.warning("kvtier: cannot start the process that removes %s after this engine exits (%s); "
                         "a later kvtier start removes it", tier.path, err)
+    interval = warm_interval_s(cfg.kv_warm_interval_s)
+    try:
+        tier.keep_warm(interval)
+        if interval > 0:
+            log.info("kvtier: reading a byte of each page of the arena (%d MiB) every %g s, so that loads do not "
+                     "read memory the host left cold", tier.mapped_range[1] >> 20, interval)
+    except Exception as err:  # noqa: BLE001 - an optimisation; the store does not depend on it
+        log.warning("kvtier: the arena %s is not kept warm: %s", tier.path, err)
     ssd = None
     recovered: list = []
     try:

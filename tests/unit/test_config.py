@@ -76,7 +76,7 @@ def test_every_key_parsed() -> None:
 
 
 def test_the_kv_warm_interval_is_seconds_and_zero_turns_it_off() -> None:
-    assert KvtierConfig().kv_warm_interval_s == 5.0
+    assert KvtierConfig().kv_warm_interval_s is None  # hostmem.warm_interval_s decides
     assert parse_connector_config({"kv_warm_interval_s": "2.5s"}, check_memory=False).kv_warm_interval_s == 2.5
     assert parse_connector_config({"kv_warm_interval_s": 0}, check_memory=False).kv_warm_interval_s == 0.0
 
@@ -131,7 +131,8 @@ def test_low_threshold_must_be_below_high(extra: dict) -> None:
                                             ("evict_threshold_low", "x"), ("evict_threshold_low", True),
                                             ("verify_checksums", "maybe"), ("backend", "redis"),
                                             ("shm_dir", ""), ("model_id", 3), ("kv_warm_interval_s", "-1"),
-                                            ("kv_warm_interval_s", "often")])
+                                            ("kv_warm_interval_s", "often"),
+                                            ("kv_warm_interval_s", "inf")])
 def test_other_bad_values_name_their_key(key: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:
         parse_connector_config({key: value}, check_memory=False)

@@ -19,7 +19,17 @@ from kvtier.connector.worker import WorkerSide
 import pytest
 
 from kvtier.connector import worker as worker_module
-from kvtier.hostmem import BASE_PAGE, WARM_CHUNK_BYTES, WARM_MAX_WAIT_S, PageWarmer, warm_wait_s
+from kvtier import hostmem
+from kvtier.hostmem import (
+    BASE_PAGE,
+    WARM_CHUNK_BYTES,
+    WARM_INTERVAL_S,
+    WARM_MAX_WAIT_S,
+    PageWarmer,
+    on_virtual_machine,
+    warm_interval_s,
+    warm_wait_s,
+)
 from tests.unit.helpers import BLOCK, wait_for
 
 
@@ -121,3 +131,30 @@ def test_a_warmer_that_cannot_start_leaves_the_worker_working(monkeypatch: pytes
     assert w._warmer is None and w.inert_reason == "" and w.layout is not None
     assert "not kept warm" in caplog.text and "can't start new thread" in caplog.text
     w.shutdown()
+
+
+CPU = "processor\t: {n}\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu vme de pse tsc msr{extra}\n\n"
+
+
+@pytest.mark.parametrize(("extra", "vm"), [(" hypervisor lahf_lm", True), (" lahf_lm", False),
+                                           (" hypervisorx", False)])
+def test_a_virtual_machine_is_told_by_the_cpus_hypervisor_flag(tmp_path, extra: str, vm: bool) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(CPU.format(n=0, extra=extra) + CPU.format(n=1, extra=extra))
+    assert on_virtual_machine(str(info)) is vm
+
+
+def test_without_cpu_flags_it_is_not_taken_for_a_virtual_machine(tmp_path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\n")  # arm64: no such flag
+    assert not on_virtual_machine(str(info))
+    assert not on_virtual_machine(str(tmp_path / "missing"))
+
+
+def test_the_interval_configured_wins_and_unset_means_on_a_vm_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hostmem, "on_virtual_machine", lambda: True)
+    assert warm_interval_s(None) == WARM_INTERVAL_S
+    assert warm_interval_s(0.0) == 0.0 and warm_interval_s(2.5) == 2.5
+    monkeypatch.setattr(hostmem, "on_virtual_machine", lambda: False)
+    assert warm_interval_s(None) == 0.0
+    assert warm_interval_s(2.5) == 2.5

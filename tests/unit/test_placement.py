@@ -81,7 +81,7 @@ def test_the_arena_owner_reads_every_page_of_it_until_closed(shm_path: str, tmp_
     tier = store.tier
     warmer = tier._warmer
     try:
-        assert warmer is not None and warmer.bytes == tier.mapped_range[1]
+        assert warmer is not None and warmer.bytes == tier.mapped_range[1] and warmer.interval_s == 60
         wait_for(lambda: warmer.passes >= 1, what="the first pass over the arena")
         # Drop the mapping's pages (the file keeps them): a pass maps every
         # one of them again.
@@ -98,5 +98,43 @@ def test_no_arena_warmer_when_off(shm_path: str, tmp_path: Path) -> None:
     store = start(shm_path, tmp_path / "ssd.img", kv_warm_interval_s=0)
     try:
         assert store.tier._warmer is None
+    finally:
+        close_store(store)
+
+
+def test_an_adopted_arena_is_kept_warm_too(shm_path: str, tmp_path: Path) -> None:
+    from kvtier.tier.dram import DramTier
+
+    import gc
+
+    gone = DramTier.create(shm_path, _capacity_for(SLOTS, PAGE), PAGE)
+    gone.owner = False  # its owner gone without removing the file: the lock goes with the last mapping
+    gone.close()
+    del gone
+    gc.collect()
+    tier = DramTier.adopt(shm_path)
+    assert tier is not None
+    cfg = parse_connector_config({"dram_size": _capacity_for(SLOTS, PAGE), "kv_warm_interval_s": 30},
+                                 check_memory=False)
+    store = open_store(cfg, shm_path, PAGE, 1, fingerprint=b"geometry", reaper=False, tier=tier)
+    try:
+        assert tier._warmer is not None and tier._warmer.interval_s == 30
+    finally:
+        close_store(store)
+
+
+def test_a_warmer_that_cannot_start_leaves_the_store_working(shm_path: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.tier.dram import DramTier
+
+    def refuse(self: DramTier, interval_s: float) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(DramTier, "keep_warm", refuse)
+    store = start(shm_path, tmp_path / "ssd.img", kv_warm_interval_s=5)
+    try:
+        assert "not kept warm" in caplog.text and "can't start new thread" in caplog.text
+        assert save(store, [KEYS[0]], 0) != [None] and store.contains(KEYS[0])
     finally:
         close_store(store)

@@ -309,6 +309,7 @@ BAD: list[tuple[str, str, str]] = [
     ("ubsio.standalone.force_new_disk", "2", "true or false"),
     ("kvtier.io_threads", "65", "from 1 to 64"),
     ("kvtier.warm_interval", "-1", "seconds"),
+    ("kvtier.warm_interval", "inf", "seconds"),
     ("kvtier.shm_dir", "dev/shm", "absolute"),
     ("kvtier.ssd_size", "lots", "size"),
 ]
@@ -610,7 +611,7 @@ def test_store_config(tmp_path: Path) -> None:
         ssd_paths=("/tmp/kvtier-ssd",), ssd_size_bytes=8 * GIB, force_new_disk=True, rewarm_dram_watermark=90.0,
         io_threads=2, kv_warm_interval_s=0.0)
     assert PoolConfig().store_config().dram_size_bytes == GIB
-    assert PoolConfig().store_config().kv_warm_interval_s == 5.0
+    assert PoolConfig().store_config().kv_warm_interval_s is None  # hostmem.warm_interval_s decides
 
 
 def test_pool_config_is_frozen() -> None:

@@ -116,6 +116,21 @@ def test_a_block_saved_by_one_instance_is_found_and_pinned_by_another(service: M
     b.shutdown()
 
 
+def test_the_service_keeps_its_arena_warm_at_the_configured_interval(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    store = KvtierConfig(dram_size_bytes=64 * (RANK_BYTES + 4096), shm_dir=str(shm), kv_warm_interval_s=30)
+    svc = MetaService(ServiceOptions(url="tcp://127.0.0.1:0", store=store))
+    svc.start()
+    try:
+        client(svc).probe(keys(1, 1))  # the first instance's hello makes the pool
+        warmer = svc.store.tier._warmer
+        assert warmer is not None and warmer.interval_s == 30 and warmer.bytes == svc.store.tier.mapped_range[1]
+    finally:
+        svc.stop()
+    assert not warmer._thread.is_alive()
+
+
 def test_step_numbers_of_two_instances_never_settle_each_other(service: MetaService) -> None:
     a, b = client(service), client(service)
     ks = keys(2, 4)

@@ -39,6 +39,7 @@ from kvtier.connector.scheduler import SchedulerSide, arena_path, remove_stale_a
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
 from kvtier.connector.worker import WorkerSide
 from kvtier.errors import ConfigError
+from kvtier.hostmem import warm_interval_s
 from kvtier.keys import KeyNamespace, directory_digest, file_digest
 from kvtier.placement import EmbeddedPlacement, open_store
 
@@ -452,7 +453,7 @@ def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     # save_kv_layer in turn: saves are then queued after the whole forward.
     ubatching = bool(getattr(vllm_config.parallel_config, "use_ubatching", False))
     return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums, block_tokens=block_tokens,
-                      saves_per_layer=not ubatching, warm_interval_s=cfg.kv_warm_interval_s)
+                      saves_per_layer=not ubatching, warm_interval_s=warm_interval_s(cfg.kv_warm_interval_s))
 
 
 def worker_rank_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int) -> int | None:

@@ -440,7 +440,7 @@ class PoolConfig:
     token: str | None = field(default=None, repr=False)
     shm_dir: str = "/dev/shm"
     io_threads: int = 4
-    warm_interval_s: float = 5.0  # the arena: a byte of each page read this often (0: never)
+    warm_interval_s: float | None = None  # the arena: a byte of each page read this often (as kv_warm_interval_s)
     log_level: int = logging.INFO
     # The cluster tier: off unless cluster_enabled. The master runs on the
     # host of meta_url (the master node), found by other nodes through the
