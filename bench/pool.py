@@ -39,7 +39,7 @@ Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--
        lookup: [--tokens 65536] [--reps 1000]
        scale:  [--clients 1,2,4] [--transport tcp|unix] [--shared-blocks 1024] [--own-blocks 32]
        ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 2.0]
-               [--concurrency 8] [--tput-reps 3] [--dram-size 2GB] [--hits-only | --no-hits]
+               [--concurrency 8] [--tput-reps 4] [--dram-size 2GB] [--hits-only | --no-hits]
                [--kv-warm-interval S]
 """
 
@@ -504,16 +504,17 @@ def run_ttft(args: argparse.Namespace) -> dict:
         pids = {n: a.pids() + b.pids() + extra for n, (a, b, extra) in configs.items()}
         cpu0 = {n: cpu_by_process(p) for n, p in pids.items()}
         ttfts: dict[str, list[float]] = {n: [] for n in names}
-        for i in range(2 * args.rounds):  # as many on A as on B
+        for i in range(2 * args.rounds):  # as many on A as on B, each configuration first as often on each
             p = prompt(seed0 + i, args.prompt_tokens)
-            for n in names if i % 2 == 0 else names[::-1]:
+            for n in names if (i // 2) % 2 == 0 else names[::-1]:
                 ttfts[n].append(ttft(client, configs[n][i % 2], p))
         rates: dict[str, list[float]] = {n: [] for n in names}
         tokens = dict.fromkeys(names, 0)
         # Rep -1's rates are not counted: an instance's first batch of
         # concurrent prompts may pay one-time set-up (vLLM alone's first
         # ran 12 % below its next two in one run).
-        for rep in range(-1, args.tput_reps):
+        reps = args.tput_reps + args.tput_reps % 2  # each configuration first as often
+        for rep in range(-1, reps):
             prompts = [prompt(seed0 + 1000 * (rep + 2) + i, 2048) for i in range(args.concurrency)]
             for n in names if rep % 2 == 0 else names[::-1]:
                 pair = configs[n][:2]
@@ -539,21 +540,60 @@ def run_ttft(args: argparse.Namespace) -> dict:
                       "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / all_tokens}
         return out
 
+    def hit_phase(client: httpx.Client, a: VllmServer, b: VllmServer, embedded: VllmServer) -> tuple[dict, dict]:
+        """Every sample takes E's device hit, A's device hit, B's pool hit
+        and E's DRAM hit one after the other, so each ratio compares
+        requests seconds apart: a 50 ms request on two shared cores spreads
+        36-122 ms, and measuring E in a phase of its own made the
+        pool-vs-embedded ratio swing by 10 % between runs."""
+        cold, device, cross, same, dram, edevice = [], [], [], [], [], []
+        b_loads: list[float] = []  # B's load time (copy and checksum) of each pool hit
+        with embedded as e:
+            ttft(client, e, prompt(999, 256))
+            before = b.metrics()
+            for i in range(args.rounds):
+                p = prompt(30_000 + i, args.prompt_tokens)
+                cold.append(ttft(client, a, p))
+                ttft(client, e, p)  # E's own prefill: it shares nothing with the pool
+                for _ in range(args.hit_reps):
+                    # Each measured request follows another instance's:
+                    # the one before leaves its own blocks in the caches.
+                    edevice.append(ttft(client, e, p))
+                    e.reset_prefix_cache()  # the device cache forgets; kvtier keeps
+                    device.append(ttft(client, a, p))
+                    loaded = b.metrics().get("kvtier_load_seconds_total", 0.0)
+                    cross.append(ttft(client, b, p))  # B's device cache never holds it: from the pool
+                    b_loads.append(b.metrics().get("kvtier_load_seconds_total", 0.0) - loaded)
+                    b.reset_prefix_cache()
+                    dram.append(ttft(client, e, p))
+                a.reset_prefix_cache()
+                same.append(ttft(client, a, p))  # A's own blocks, back from the pool
+            after = b.metrics()
+        counters = {k: after.get(k, 0.0) - before.get(k, 0.0)
+                    for k in ("vllm:external_prefix_cache_hits_total", "kvtier_blocks_loaded_total",
+                              "kvtier_load_errors_total", "kvtier_bytes_loaded_total",
+                              "kvtier_load_seconds_total")}
+        return {"dram_s": dram, "device_s": edevice}, {
+            "cold_s": cold, "device_s": device, "cross_s": cross, "same_s": same, "b_counters": counters,
+            "b_load_s": b_loads, "b_expected_hit_tokens": hit_tokens * args.rounds * args.hit_reps}
+
     def server(name: str, kvtier: dict | None, env: dict | None = None) -> VllmServer:
         return VllmServer(ServerOptions(kvtier=kvtier, env=env or {}, **common),
                           log_path=logs / f"vllm-{name}.log")
 
     warm = {} if args.kv_warm_interval is None else {"kv_warm_interval_s": args.kv_warm_interval}
-    out: dict = {"geometry": args.geometry, "dtype": args.dtype, "memcpy_GBps": memcpy_gbps(),
+    hits = not args.no_hits
+    out: dict = {"geometry": args.geometry, "dtype": args.dtype,
+                 "memcpy_GBps": memcpy_gbps() if hits else None,
                  "kv_warm_interval_s": args.kv_warm_interval,
-                 "standalone_load_s": standalone_load_s(args),
+                 "standalone_load_s": standalone_load_s(args) if hits else None,
                  "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                  "hit_reps": args.hit_reps, "gap": args.gap, "hits_only": args.hits_only,
-                 "logs": str(logs)}
+                 "no_hits": args.no_hits, "logs": str(logs)}
     with httpx.Client(timeout=600) as client:
-        # Two instances on one meta service (A, B); for 0 % hits two
-        # instances of vLLM alone beside them, then, for the hits, one
-        # instance of the embedded backend (E) in their place.
+        # Two instances on one meta service (A, B): for the hits, one
+        # instance of the embedded backend (E) beside them on the empty
+        # pool; then, for 0 % hits, two instances of vLLM alone in E's place.
         with meta_service("tcp", args.dram_size, args.kv_warm_interval) as meta:
             env = meta.env_for_clients()
             # The service's address: from the files env names, as the seeds do.
@@ -561,64 +601,29 @@ def run_ttft(args: argparse.Namespace) -> dict:
             with server("pool-a", pool_cfg, env) as a, server("pool-b", pool_cfg, env) as b:
                 for s in (a, b):
                     ttft(client, s, prompt(999, 256))  # the first request pays one-time set-up
+                out["pool"] = {}
+                if hits:
+                    out["embedded"], out["pool"] = hit_phase(client, a, b, server("embedded", {
+                        "dram_size": args.dram_size} | warm))
                 if not args.hits_only:
                     with server("plain-a", None) as pa, server("plain-b", None) as pb:
                         for s in (pa, pb):
                             ttft(client, s, prompt(999, 256))
+                        # Seeds far from the hits' prompts: none is a prefix of another.
                         zero = no_hits(client, {"plain": (pa, pb, []), "pool": (a, b, [meta.proc.pid])},
-                                       seed0=10_000)
+                                       seed0=1_000_000)
                     out["plain"] = zero["plain"]
-                    if args.no_hits:
-                        out["pool"] = zero["pool"]
-                        return out
-                # Every sample takes E's device hit, A's device hit, B's pool
-                # hit and E's DRAM hit one after the other, so each ratio
-                # compares requests seconds apart: a 50 ms request on two
-                # shared cores spreads 36-122 ms, and measuring E in a phase
-                # of its own made the pool-vs-embedded ratio swing by 10 %
-                # between runs.
-                cold, device, cross, same, dram, edevice = [], [], [], [], [], []
-                b_loads: list[float] = []  # B's load time (copy and checksum) of each pool hit
-                with server("embedded", {"dram_size": args.dram_size} | warm) as e:
-                    ttft(client, e, prompt(999, 256))
-                    before = b.metrics()
-                    for i in range(args.rounds):
-                        p = prompt(30_000 + i, args.prompt_tokens)
-                        cold.append(ttft(client, a, p))
-                        ttft(client, e, p)  # E's own prefill: it shares nothing with the pool
-                        for _ in range(args.hit_reps):
-                            # Each measured request follows another instance's:
-                            # the one before leaves its own blocks in the caches.
-                            edevice.append(ttft(client, e, p))
-                            e.reset_prefix_cache()  # the device cache forgets; kvtier keeps
-                            device.append(ttft(client, a, p))
-                            loaded = b.metrics().get("kvtier_load_seconds_total", 0.0)
-                            cross.append(ttft(client, b, p))  # B's device cache never holds it: from the pool
-                            b_loads.append(b.metrics().get("kvtier_load_seconds_total", 0.0) - loaded)
-                            b.reset_prefix_cache()
-                            dram.append(ttft(client, e, p))
-                        a.reset_prefix_cache()
-                        same.append(ttft(client, a, p))  # A's own blocks, back from the pool
-                    after = b.metrics()
-                out["embedded"] = {"dram_s": dram, "device_s": edevice}
-                out["pool"] = {} if args.hits_only else zero["pool"]
-                out["pool"].update(cold_s=cold, device_s=device, cross_s=cross, same_s=same)
-                got = {k: after.get(k, 0.0) - before.get(k, 0.0)
-                       for k in ("vllm:external_prefix_cache_hits_total", "kvtier_blocks_loaded_total",
-                                 "kvtier_load_errors_total", "kvtier_bytes_loaded_total",
-                                 "kvtier_load_seconds_total")}
-                out["pool"]["b_counters"] = got
-                out["pool"]["b_load_s"] = b_loads
-                out["pool"]["b_expected_hit_tokens"] = hit_tokens * args.rounds * args.hit_reps
+                    out["pool"].update(zero["pool"])
     return out
 
 
 def print_ttft(res: dict) -> None:
     med = statistics.median
     pool = res["pool"]
+    shape = (f"{2 * res['rounds']} prompts a configuration" if res.get("no_hits") else
+             f"{res['rounds']} prompts x {res.get('hit_reps', 1)} hits each")
     print(f"\n## TTFT across instances on the node pool, {res['prompt_tokens']}-token prompt, model "
-          f"'{res['geometry']}' ({res.get('dtype', 'bfloat16')}), {res['rounds']} prompts x "
-          f"{res.get('hit_reps', 1)} hits each, "
+          f"'{res['geometry']}' ({res.get('dtype', 'bfloat16')}), {shape}, "
           f"{res.get('gap', 0)} s quiet before each request, kv_warm_interval_s "
           f"{'default' if res.get('kv_warm_interval_s') is None else res['kv_warm_interval_s']} (median)\n")
     print("| measure | value | peer | ratio of medians | median of paired ratios | goal |")
@@ -724,7 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="ttft: concurrent prompts for throughput")
     ap.add_argument("--dram-size", default="2GB", help="ttft: DRAM of the embedded store and of the pool")
     ap.add_argument("--hit-reps", type=int, default=3, help="ttft: hits measured per prompt")
-    ap.add_argument("--tput-reps", type=int, default=3, help="ttft: throughput runs per configuration (median)")
+    ap.add_argument("--tput-reps", type=int, default=4,
+                    help="ttft: throughput runs per configuration (median; rounded up to an even number)")
     ap.add_argument("--gap", type=float, default=QUIET_S,
                     help="ttft: seconds of quiet before each request (kvtier.tools.client.quiet_ttft)")
     ap.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")
