@@ -33,14 +33,21 @@ Three measurements, each against a peer measured in the same run:
   1.15x the device hit and within 5 % of the embedded hit; 0 % hits within
   3 % of vLLM alone. Also B's load time of each hit (copies and
   checksums, from its counters) against the same load outside vLLM
-  measured in the same run (bench/blockcopy.py).
+  measured in the same run (bench/blockcopy.py). Each instance of vLLM
+  keeps its own speed for its life (two identical pairs of vLLM alone
+  measured side by side ran up to 8 % apart): ``--sets N`` runs the 0 %
+  hits phase on N sets of new instances in turn and pools the samples,
+  and ``--control`` adds a second pair of vLLM alone to each, compared
+  with the first the same way (the spread of the ratios between
+  identical configurations).
 
 Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--json out.json]
        lookup: [--tokens 65536] [--reps 1000]
        scale:  [--clients 1,2,4] [--transport tcp|unix] [--shared-blocks 1024] [--own-blocks 32]
        ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 2.0]
                [--concurrency 8] [--tput-reps 4] [--dram-size 2GB] [--hits-only | --no-hits]
-               [--kv-warm-interval S]
+               [--kv-warm-interval S] [--sets N] [--control] [--bind]
+               [--env KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -501,22 +508,27 @@ def run_ttft(args: argparse.Namespace) -> dict:
         the CPU seconds every process of each configuration used meanwhile,
         idle ones included."""
         names = list(configs)
+
+        def turn(k: int) -> list[str]:  # the configurations in order, each first in turn
+            k %= len(names)
+            return names[k:] + names[:k]
+
         pids = {n: a.pids() + b.pids() + extra for n, (a, b, extra) in configs.items()}
         cpu0 = {n: cpu_by_process(p) for n, p in pids.items()}
         ttfts: dict[str, list[float]] = {n: [] for n in names}
         for i in range(2 * args.rounds):  # as many on A as on B, each configuration first as often on each
             p = prompt(seed0 + i, args.prompt_tokens)
-            for n in names if (i // 2) % 2 == 0 else names[::-1]:
+            for n in turn(i // 2):
                 ttfts[n].append(ttft(client, configs[n][i % 2], p))
         rates: dict[str, list[float]] = {n: [] for n in names}
         tokens = dict.fromkeys(names, 0)
         # Rep -1's rates are not counted: an instance's first batch of
         # concurrent prompts may pay one-time set-up (vLLM alone's first
         # ran 12 % below its next two in one run).
-        reps = args.tput_reps + args.tput_reps % 2  # each configuration first as often
+        reps = -(-args.tput_reps // len(names)) * len(names)  # each configuration first as often
         for rep in range(-1, reps):
             prompts = [prompt(seed0 + 1000 * (rep + 2) + i, 2048) for i in range(args.concurrency)]
-            for n in names if rep % 2 == 0 else names[::-1]:
+            for n in turn(rep):
                 pair = configs[n][:2]
                 time.sleep(args.gap)
                 t = time.perf_counter()
@@ -534,10 +546,25 @@ def run_ttft(args: argparse.Namespace) -> dict:
         out = {}
         for n in names:
             cpu = {k: v - cpu0[n].get(k, 0.0) for k, v in cpu_by_process(pids[n]).items()}
-            all_tokens = tokens[n] + len(ttfts[n]) * (args.prompt_tokens + 4)
-            out[n] = {"ttft_s": statistics.median(ttfts[n]), "ttfts": ttfts[n],
-                      "tokens_per_s": statistics.median(rates[n]), "rates": rates[n], "cpu_s": cpu,
-                      "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / all_tokens}
+            out[n] = {"ttfts": ttfts[n], "rates": rates[n], "cpu_s": cpu,
+                      "tokens": tokens[n] + len(ttfts[n]) * (args.prompt_tokens + 4)}
+        return out
+
+    def merge_sets(sets: list[dict[str, dict]]) -> dict[str, dict]:
+        """Each configuration's samples over every set of instances (in set
+        order, so that the pairs stay aligned), their medians, its CPU."""
+        out = {}
+        for n in sets[0]:
+            ttfts = [t for s in sets for t in s[n]["ttfts"]]
+            rates = [r for s in sets for r in s[n]["rates"]]
+            cpu: dict[str, float] = {}
+            for s in sets:
+                for k, v in s[n]["cpu_s"].items():
+                    cpu[k] = cpu.get(k, 0.0) + v
+            out[n] = {"ttft_s": statistics.median(ttfts), "ttfts": ttfts,
+                      "tokens_per_s": statistics.median(rates), "rates": rates, "cpu_s": cpu,
+                      "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / sum(s[n]["tokens"] for s in sets),
+                      "set_ttfts": [s[n]["ttfts"] for s in sets], "set_rates": [s[n]["rates"] for s in sets]}
         return out
 
     def hit_phase(client: httpx.Client, a: VllmServer, b: VllmServer, embedded: VllmServer) -> tuple[dict, dict]:
@@ -582,6 +609,15 @@ def run_ttft(args: argparse.Namespace) -> dict:
                           log_path=logs / f"vllm-{name}.log")
 
     warm = {} if args.kv_warm_interval is None else {"kv_warm_interval_s": args.kv_warm_interval}
+    # --bind: in the 0 % hits phase, instance A of each configuration on
+    # the first half of this process's CPUs, B on the other half (vLLM's
+    # VLLM_CPU_OMP_THREADS_BIND), as separate instances on one host are
+    # deployed; by default each binds its threads to every CPU.
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    instance_env = ([{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, c))} for c in (cpus[:half], cpus[half:] or cpus)]
+                    if args.bind else [{}, {}])
+    instance_env = [e | dict(kv.split("=", 1) for kv in args.env) for e in instance_env]  # A's, B's
     hits = not args.no_hits
     out: dict = {"geometry": args.geometry, "dtype": args.dtype,
                  "memcpy_GBps": memcpy_gbps() if hits else None,
@@ -589,31 +625,52 @@ def run_ttft(args: argparse.Namespace) -> dict:
                  "standalone_load_s": standalone_load_s(args) if hits else None,
                  "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                  "hit_reps": args.hit_reps, "gap": args.gap, "hits_only": args.hits_only,
-                 "no_hits": args.no_hits, "logs": str(logs)}
+                 "no_hits": args.no_hits, "instance_env": instance_env, "logs": str(logs)}
     with httpx.Client(timeout=600) as client:
         # Two instances on one meta service (A, B): for the hits, one
         # instance of the embedded backend (E) beside them on the empty
-        # pool; then, for 0 % hits, two instances of vLLM alone in E's place.
+        # pool; then, for 0 % hits, two new instances on the pool beside two
+        # of vLLM alone (and two more with --control).
         with meta_service("tcp", args.dram_size, args.kv_warm_interval) as meta:
             env = meta.env_for_clients()
             # The service's address: from the files env names, as the seeds do.
             pool_cfg = {"backend": "pool"} | warm
-            with server("pool-a", pool_cfg, env) as a, server("pool-b", pool_cfg, env) as b:
-                for s in (a, b):
-                    ttft(client, s, prompt(999, 256))  # the first request pays one-time set-up
-                out["pool"] = {}
-                if hits:
+            out["pool"] = {}
+            if hits:
+                with server("pool-a", pool_cfg, env) as a, server("pool-b", pool_cfg, env) as b:
+                    for s in (a, b):
+                        ttft(client, s, prompt(999, 256))  # the first request pays one-time set-up
                     out["embedded"], out["pool"] = hit_phase(client, a, b, server("embedded", {
                         "dram_size": args.dram_size} | warm))
-                if not args.hits_only:
-                    with server("plain-a", None) as pa, server("plain-b", None) as pb:
-                        for s in (pa, pb):
-                            ttft(client, s, prompt(999, 256))
-                        # Seeds far from the hits' prompts: none is a prefix of another.
-                        zero = no_hits(client, {"plain": (pa, pb, []), "pool": (a, b, [meta.proc.pid])},
-                                       seed0=1_000_000)
-                    out["plain"] = zero["plain"]
-                    out["pool"].update(zero["pool"])
+            if not args.hits_only:
+                # A second pair of vLLM alone (--control), measured the same
+                # way: what two identical configurations differ by here.
+                kinds = {"plain": (None, {}), "pool": (pool_cfg, env)} | (
+                    {"control": (None, {})} if args.control else {})
+                sets = []
+                for k in range(args.sets):
+                    # Each set of instances new, started in turn in another
+                    # order: an instance's speed is its own for its life
+                    # (two identical pairs of vLLM alone ran 4-8 % apart).
+                    with ExitStack() as stack:
+                        started = {}
+                        order = list(kinds)[k % len(kinds):] + list(kinds)[:k % len(kinds)]
+                        for name in order:
+                            kvtier, extra = kinds[name]
+                            started[name] = [
+                                stack.enter_context(server(f"{name}{k}-{x}", kvtier, extra | instance_env[i]))
+                                for i, x in enumerate("ab")]
+                            for s in started[name]:
+                                ttft(client, s, prompt(999, 256))
+                        configs = {n: (*started[n], [meta.proc.pid] if n == "pool" else []) for n in kinds}
+                        # Seeds far from the hits' prompts and from other sets':
+                        # none is a prefix of another.
+                        sets.append(no_hits(client, configs, seed0=1_000_000 * (k + 1)))
+                zero = merge_sets(sets)
+                out["plain"] = zero["plain"]
+                out["pool"].update(zero["pool"])
+                if args.control:
+                    out["control"] = zero["control"]
     return out
 
 
@@ -625,7 +682,10 @@ def print_ttft(res: dict) -> None:
     print(f"\n## TTFT across instances on the node pool, {res['prompt_tokens']}-token prompt, model "
           f"'{res['geometry']}' ({res.get('dtype', 'bfloat16')}), {shape}, "
           f"{res.get('gap', 0)} s quiet before each request, kv_warm_interval_s "
-          f"{'default' if res.get('kv_warm_interval_s') is None else res['kv_warm_interval_s']} (median)\n")
+          f"{'default' if res.get('kv_warm_interval_s') is None else res['kv_warm_interval_s']}"
+          + "".join(f", 0 % hits' instance {x} with {' '.join(f'{k}={v}' for k, v in b.items())}"
+                    for x, b in zip("AB", res.get("instance_env") or [{}, {}]) if b)
+          + " (median)\n")
     print("| measure | value | peer | ratio of medians | median of paired ratios | goal |")
     print("|---|---|---|---|---|---|")
     if "device_s" in pool:
@@ -644,6 +704,28 @@ def print_ttft(res: dict) -> None:
               "vLLM alone "
               f"{plain['tokens_per_s']:.0f} tok/s | {tput_ratio:.3f}x | {tput_paired:.3f}x | "
               f"within {GOAL_NO_HIT:.0%} |")
+        control = res.get("control")
+        if control:
+            print(f"| TTFT, 0 % hits, a second pair of vLLM alone (control) | {control['ttft_s'] * 1000:.0f} ms | "
+                  f"vLLM alone {plain['ttft_s'] * 1000:.0f} ms | {control['ttft_s'] / plain['ttft_s']:.3f}x | "
+                  f"{med(p / q for p, q in zip(control['ttfts'], plain['ttfts'])):.3f}x | |")
+            print(f"| throughput, 0 % hits, a second pair of vLLM alone (control) | "
+                  f"{control['tokens_per_s']:.0f} tok/s | vLLM alone {plain['tokens_per_s']:.0f} tok/s | "
+                  f"{control['tokens_per_s'] / plain['tokens_per_s']:.3f}x | "
+                  f"{med(p / q for p, q in zip(control['rates'], plain['rates'])):.3f}x | |")
+        sets = plain.get("set_rates") or []
+        if len(sets) > 1:
+            def per_set(key: str, n: str) -> str:
+                return ", ".join(f"{med(p / q for p, q in zip(a, b)):.3f}x"
+                                 for a, b in zip(res[n][key], plain[key]))
+
+            print(f"| per set of instances ({len(sets)}), paired: TTFT, pool / vLLM alone | "
+                  f"{per_set('set_ttfts', 'pool')} | | | | |")
+            print(f"| per set of instances, paired: throughput, pool / vLLM alone | "
+                  f"{per_set('set_rates', 'pool')} | | | | |")
+            if control:
+                print(f"| per set of instances, paired: throughput, control / vLLM alone | "
+                      f"{per_set('set_rates', 'control')} | | | | |")
         cpu_ratio = pool["cpu_ms_per_1k_tokens"] / plain["cpu_ms_per_1k_tokens"]
         print(f"| CPU per 1k tokens, 0 % hits, all processes | {pool['cpu_ms_per_1k_tokens']:.0f} ms | vLLM alone "
               f"{plain['cpu_ms_per_1k_tokens']:.0f} ms | {cpu_ratio:.3f}x | | |")
@@ -730,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dram-size", default="2GB", help="ttft: DRAM of the embedded store and of the pool")
     ap.add_argument("--hit-reps", type=int, default=3, help="ttft: hits measured per prompt")
     ap.add_argument("--tput-reps", type=int, default=4,
-                    help="ttft: throughput runs per configuration (median; rounded up to an even number)")
+                    help="ttft: throughput runs per configuration and set of instances (median; rounded up "
+                         "to a multiple of the configurations)")
     ap.add_argument("--gap", type=float, default=QUIET_S,
                     help="ttft: seconds of quiet before each request (kvtier.tools.client.quiet_ttft)")
     ap.add_argument("--block", type=int, default=64, help="ttft: vLLM block size")
@@ -740,10 +823,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-warm-interval", type=float, default=None,
                     help="ttft: the instances' kv_warm_interval_s and the meta service's "
                          "kvtier.warm_interval (default: kvtier's; 0: off)")
+    ap.add_argument("--control", action="store_true",
+                    help="ttft: a second pair of vLLM alone in the 0 %% hits phase, compared with the first "
+                         "the same way (the noise floor of the ratios)")
+    ap.add_argument("--sets", type=int, default=1,
+                    help="ttft: sets of new instances the 0 %% hits phase runs on, one after the other "
+                         "(every measure over all of them)")
+    ap.add_argument("--bind", action="store_true",
+                    help="ttft: in the 0 %% hits phase, each configuration's instance A on half of the CPUs "
+                         "and B on the other half (default: each instance on all of them)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="ttft: an environment variable of every instance of the 0 %% hits phase")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--hits-only", action="store_true", help="ttft: the hit measures only (no 0 %% hits phases)")
     only.add_argument("--no-hits", action="store_true", help="ttft: the 0 %% hits measures only")
     args = ap.parse_args(argv)
+    for kv in args.env:
+        if "=" not in kv or kv.startswith("="):
+            ap.error(f"--env {kv!r}: expected KEY=VALUE")
 
     results: dict = {}
     steps = [("lookup", run_lookup, print_lookup), ("scale", run_scale, print_scale),
