@@ -660,8 +660,11 @@ def run_ttft(args: argparse.Namespace) -> dict:
                             started[name] = [
                                 stack.enter_context(server(f"{name}{k}-{x}", kvtier, extra | instance_env[i]))
                                 for i, x in enumerate("ab")]
-                            for s in started[name]:
-                                ttft(client, s, prompt(999, 256))
+                            for i, s in enumerate(started[name]):
+                                # One full-size prompt first, its own (no hit):
+                                # an instance's first 8k prompt took 1.3-3.5x
+                                # the next ones' time (first chunks of its size).
+                                ttft(client, s, prompt(900_000 + 100 * k + 10 * len(started) + i, args.prompt_tokens))
                         configs = {n: (*started[n], [meta.proc.pid] if n == "pool" else []) for n in kinds}
                         # Seeds far from the hits' prompts and from other sets':
                         # none is a prefix of another.
