@@ -500,7 +500,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
         """0 % hits, every configuration (two instances and any other
         process of theirs) up at once and measured in turn: distinct
         prompts, none repeated, each sent to every configuration (the order
-        alternating) on instance A and B in turn; then throughput of
+        rotating) on instance A and B in turn; then throughput of
         concurrent 2k-token prompts split over a configuration's two
         instances, configurations in turn. Side by side in time, so that a
         slow phase of the machine falls on both (measured one configuration
