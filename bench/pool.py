@@ -474,6 +474,31 @@ def standalone_load_s(args: argparse.Namespace) -> float | None:
     return statistics.median(res["load"])
 
 
+def rotation(names: Sequence[str], k: int) -> list[str]:
+    """``names`` starting at the ``k``-th (modulo): over ``len(names)``
+    consecutive ``k`` each comes first once."""
+    k %= len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def merge_sets(sets: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each configuration's samples over every set of instances (in set
+    order, so that the pairs stay aligned), their medians, its CPU."""
+    out = {}
+    for n in sets[0]:
+        ttfts = [t for s in sets for t in s[n]["ttfts"]]
+        rates = [r for s in sets for r in s[n]["rates"]]
+        cpu: dict[str, float] = {}
+        for s in sets:
+            for k, v in s[n]["cpu_s"].items():
+                cpu[k] = cpu.get(k, 0.0) + v
+        out[n] = {"ttft_s": statistics.median(ttfts), "ttfts": ttfts,
+                  "tokens_per_s": statistics.median(rates), "rates": rates, "cpu_s": cpu,
+                  "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / sum(s[n]["tokens"] for s in sets),
+                  "set_ttfts": [s[n]["ttfts"] for s in sets], "set_rates": [s[n]["rates"] for s in sets]}
+    return out
+
+
 def run_ttft(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
     from ttft import memcpy_gbps  # bench/ttft.py: this machine's memcpy, the loads' limit
@@ -509,9 +534,8 @@ def run_ttft(args: argparse.Namespace) -> dict:
         idle ones included."""
         names = list(configs)
 
-        def turn(k: int) -> list[str]:  # the configurations in order, each first in turn
-            k %= len(names)
-            return names[k:] + names[:k]
+        def turn(k: int) -> list[str]:
+            return rotation(names, k)
 
         pids = {n: a.pids() + b.pids() + extra for n, (a, b, extra) in configs.items()}
         cpu0 = {n: cpu_by_process(p) for n, p in pids.items()}
@@ -548,23 +572,6 @@ def run_ttft(args: argparse.Namespace) -> dict:
             cpu = {k: v - cpu0[n].get(k, 0.0) for k, v in cpu_by_process(pids[n]).items()}
             out[n] = {"ttfts": ttfts[n], "rates": rates[n], "cpu_s": cpu,
                       "tokens": tokens[n] + len(ttfts[n]) * (args.prompt_tokens + 4)}
-        return out
-
-    def merge_sets(sets: list[dict[str, dict]]) -> dict[str, dict]:
-        """Each configuration's samples over every set of instances (in set
-        order, so that the pairs stay aligned), their medians, its CPU."""
-        out = {}
-        for n in sets[0]:
-            ttfts = [t for s in sets for t in s[n]["ttfts"]]
-            rates = [r for s in sets for r in s[n]["rates"]]
-            cpu: dict[str, float] = {}
-            for s in sets:
-                for k, v in s[n]["cpu_s"].items():
-                    cpu[k] = cpu.get(k, 0.0) + v
-            out[n] = {"ttft_s": statistics.median(ttfts), "ttfts": ttfts,
-                      "tokens_per_s": statistics.median(rates), "rates": rates, "cpu_s": cpu,
-                      "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / sum(s[n]["tokens"] for s in sets),
-                      "set_ttfts": [s[n]["ttfts"] for s in sets], "set_rates": [s[n]["rates"] for s in sets]}
         return out
 
     def hit_phase(client: httpx.Client, a: VllmServer, b: VllmServer, embedded: VllmServer) -> tuple[dict, dict]:
@@ -654,8 +661,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
                     # (two identical pairs of vLLM alone ran 4-8 % apart).
                     with ExitStack() as stack:
                         started = {}
-                        order = list(kinds)[k % len(kinds):] + list(kinds)[:k % len(kinds)]
-                        for name in order:
+                        for name in rotation(list(kinds), k):
                             kvtier, extra = kinds[name]
                             started[name] = [
                                 stack.enter_context(server(f"{name}{k}-{x}", kvtier, extra | instance_env[i]))

@@ -1,0 +1,44 @@
+"""bench/pool.py's 0 % hits bookkeeping: the order configurations take
+turns in, and how samples of several sets of instances are pooled."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    spec = importlib.util.spec_from_file_location("kvtier_bench_pool", BENCH / "pool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_configuration_comes_first_once_per_round(pool):
+    names = ["plain", "pool", "control"]
+    orders = [pool.rotation(names, k) for k in range(6)]
+    assert [o[0] for o in orders] == ["plain", "pool", "control"] * 2
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert pool.rotation(["a", "b"], 1) == ["b", "a"] and pool.rotation(["a", "b"], -1) == ["b", "a"]
+
+
+def test_sets_pool_in_order_so_pairs_stay_aligned(pool):
+    sets = [
+        {"plain": {"ttfts": [1.0, 2.0], "rates": [10.0], "cpu_s": {"w": 1.0}, "tokens": 1000},
+         "pool": {"ttfts": [1.1, 2.2], "rates": [11.0], "cpu_s": {"w": 2.0, "meta": 0.5}, "tokens": 1000}},
+        {"plain": {"ttfts": [3.0, 4.0], "rates": [30.0], "cpu_s": {"w": 3.0}, "tokens": 3000},
+         "pool": {"ttfts": [3.3, 4.4], "rates": [27.0], "cpu_s": {"w": 4.0}, "tokens": 3000}},
+    ]
+    out = pool.merge_sets(sets)
+    assert out["pool"]["ttfts"] == [1.1, 2.2, 3.3, 4.4]
+    assert [p / q for p, q in zip(out["pool"]["rates"], out["plain"]["rates"])] == [1.1, 0.9]
+    assert out["plain"]["tokens_per_s"] == 20.0 and out["plain"]["ttft_s"] == 2.5
+    assert out["pool"]["cpu_s"] == {"w": 6.0, "meta": 0.5}
+    assert out["pool"]["cpu_ms_per_1k_tokens"] == pytest.approx(1e6 * 6.5 / 4000)
+    assert out["pool"]["set_rates"] == [[11.0], [27.0]]
+    assert out["plain"]["set_ttfts"] == [[1.0, 2.0], [3.0, 4.0]]
