@@ -186,8 +186,11 @@ def test_synthetic_shared_prefix_run_reports_hits(kvtier_server: VllmServer, tin
     # kvtier stats reads the same server: hit rates and kvtier's own series.
     assert cli_main(["stats", "--url", kvtier_server.url, "--once"]) == 0
     view = capsys.readouterr().out
-    for row in ("h_all", "blocks saved", "blocks loaded", "DRAM tier in use"):
+    for row in ("h_all", "blocks saved", "blocks loaded", "DRAM tier in use", "workers in kvtier's hooks (s)"):
         assert row in view, view
+    # The engine's time inside the hooks is counted on both halves.
+    m = kvtier_server.metrics()
+    assert m["kvtier_scheduler_hook_seconds_total"] > 0 and m["kvtier_worker_hook_seconds_total"] > 0
 
 
 def test_multi_turn_sessions_grow_their_prompts(kvtier_server: VllmServer) -> None:

@@ -22,14 +22,17 @@ Load with::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
 import logging
 import os
 import re
+import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
@@ -467,10 +470,35 @@ def worker_rank_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, p
     return rank_bytes_for(spec, layers_per_rank(vllm_config, len(layers), pp_rank))
 
 
+HOOK_FLUSH_S = 1.0  # the hooks' time goes out with the next statistics, or on its own after this long
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _on_engine_path(hook: _Hook) -> _Hook:
+    """Count the wall time of a hook vLLM's engine waits for (the scheduler's
+    or a worker's thread): ``kvtier_scheduler_hook_seconds`` and
+    ``kvtier_worker_hook_seconds`` are what the cache costs the engine on
+    its own path, whatever the cache's threads do beside it."""
+
+    @functools.wraps(hook)
+    def timed(self: KvtierConnector, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self._hook_s += time.perf_counter() - t0
+
+    return timed  # type: ignore[return-value]
+
+
 class KvtierConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector backed by kvtier's pool."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        self._hook_s = 0.0  # time in the hooks not yet reported
+        self._hook_flushed_s = time.monotonic()
+        self._hook_stat = "scheduler_hook_seconds" if role == KVConnectorRole.SCHEDULER else "worker_hook_seconds"
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._scheduler: SchedulerSide | None = None
@@ -525,6 +553,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.kv_cache_manager = kv_cache_manager
 
+    @_on_engine_path
     def on_new_request(self, request: Any) -> None:
         if self._scheduler is not None:
             try:
@@ -532,6 +561,7 @@ class KvtierConnector(KVConnectorBase_V1):
             except Exception:  # noqa: BLE001 - keys are computed again at lookup
                 log.exception("kvtier: hashing a new request failed")
 
+    @_on_engine_path
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             assert self._inert is not None, "scheduler hook called on a worker"
@@ -546,6 +576,7 @@ class KvtierConnector(KVConnectorBase_V1):
     # fail because of the cache. Where vLLM already counts on a load, a
     # failure becomes load errors (vLLM recomputes); elsewhere it is a miss.
 
+    @_on_engine_path
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is None:
             assert self._inert is not None, "scheduler hook called on a worker"
@@ -556,6 +587,7 @@ class KvtierConnector(KVConnectorBase_V1):
             log.exception("kvtier: planning a load failed; its blocks will be recomputed")
             self._scheduler.fail_load(request, blocks, num_external_tokens)
 
+    @_on_engine_path
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         if self._scheduler is None:
             assert self._inert is not None, "scheduler hook called on a worker"
@@ -566,6 +598,7 @@ class KvtierConnector(KVConnectorBase_V1):
             log.exception("kvtier: planning step copies failed; this step loads nothing and saves nothing")
             return self._scheduler.failed_step_plan()
 
+    @_on_engine_path
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
             try:
@@ -573,6 +606,7 @@ class KvtierConnector(KVConnectorBase_V1):
             except Exception:  # noqa: BLE001
                 log.exception("kvtier: processing the workers' report failed")
 
+    @_on_engine_path
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         if self._scheduler is None:
             assert self._inert is not None, "scheduler hook called on a worker"
@@ -583,6 +617,7 @@ class KvtierConnector(KVConnectorBase_V1):
             log.exception("kvtier: splitting hits by source failed")
             return super().get_external_cache_hit_sources(request, num_external_tokens)
 
+    @_on_engine_path
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
             assert self._inert is not None, "scheduler hook called on a worker"
@@ -630,6 +665,7 @@ class KvtierConnector(KVConnectorBase_V1):
             log.error("%s", err)
             raise err
 
+    @_on_engine_path
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         plan = self._get_connector_metadata()
@@ -642,6 +678,7 @@ class KvtierConnector(KVConnectorBase_V1):
             log.exception("kvtier: loading failed; vLLM recomputes the step's %d blocks", len(plan.loads))
             self._worker.fail_loads(plan)
 
+    @_on_engine_path
     def wait_for_layer_load(self, layer_name: str) -> None:
         # CPU: loads completed in start_load_kv. CUDA: vLLM's stream waits
         # for this layer's copies (the host does not).
@@ -653,6 +690,7 @@ class KvtierConnector(KVConnectorBase_V1):
                           layer_name)
             self._worker.fail_loads(self._get_connector_metadata())
 
+    @_on_engine_path
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         # CPU: saves happen for all layers at once in wait_for_save. CUDA:
         # this layer's copies are queued now, behind the attention that wrote it.
@@ -663,6 +701,7 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception:  # noqa: BLE001 - the rest of the layers are queued in wait_for_save, or fail there
             log.exception("kvtier: queueing the saves of %s failed", layer_name)
 
+    @_on_engine_path
     def wait_for_save(self) -> None:
         assert self._worker is not None
         if self.has_connector_metadata():
@@ -676,6 +715,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 log.exception("kvtier: saving failed; the step's %d blocks are not kept", len(plan.saves))
                 self._worker.fail_saves(plan)
 
+    @_on_engine_path
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         try:
@@ -684,6 +724,7 @@ class KvtierConnector(KVConnectorBase_V1):
             log.exception("kvtier: collecting load errors failed; the step's loads count as failed")
             return set(self._worker.step_load_block_ids)
 
+    @_on_engine_path
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Only requests the scheduler delayed (device copies) are reported;
         # vLLM frees their blocks then.
@@ -697,6 +738,7 @@ class KvtierConnector(KVConnectorBase_V1):
             log.exception("kvtier: checking finished saves failed; delayed frees go ahead")
             return self._worker.release_delayed() or None, None
 
+    @_on_engine_path
     def build_connector_worker_meta(self) -> Any:
         if self._worker is None:
             return None
@@ -708,13 +750,24 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # --- both -------------------------------------------------------------
 
+    @_on_engine_path
     def get_kv_connector_stats(self) -> KvtierStats | None:
         half = self._scheduler or self._worker
+        if half is None:
+            return None
         try:
-            return half.get_kv_connector_stats() if half is not None else None
+            stats = half.get_kv_connector_stats()
         except Exception:  # noqa: BLE001 - statistics are never worth a failed step
             log.exception("kvtier: collecting statistics failed")
-            return None
+            stats = None
+        # The hooks' time rides along with the half's statistics, or goes
+        # out alone at most every HOOK_FLUSH_S (not a report every step).
+        now = time.monotonic()
+        if self._hook_s and (stats is not None or now - self._hook_flushed_s >= HOOK_FLUSH_S):
+            stats = stats if stats is not None else KvtierStats()
+            stats.add(self._hook_stat, self._hook_s)
+            self._hook_s, self._hook_flushed_s = 0.0, now
+        return stats
 
     def shutdown(self) -> None:
         half = self._scheduler or self._worker

@@ -26,6 +26,8 @@ COUNTERS = (
     "cluster_hits", "cluster_fetched", "cluster_gone", "cluster_corrupt", "cluster_fetch_errors",
     "cluster_published", "cluster_publish_failures", "cluster_publish_skipped", "cluster_down",
     "cluster_lost", "cluster_vanished",
+    # Wall time vLLM's engine spent in the connector's hooks (its workers' summed over ranks).
+    "scheduler_hook_seconds", "worker_hook_seconds",
 )
 # Gauges: the latest value wins.
 GAUGES = ("dram_slots_used", "dram_slots_total", "ssd_slots_used", "ssd_slots_total")

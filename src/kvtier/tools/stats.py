@@ -4,7 +4,8 @@ Runs from the command line against vLLM's /metrics (with kvtier's series
 when the connector is loaded). Each refresh shows, since the server started
 (its counters) and over the last interval: hit rates h1 (device), h2 (external) and h_all,
 prompt tokens served by source, the DRAM and SSD tiers' usage, evictions,
-demotions and promotions, blocks loaded and saved, and load errors.
+demotions and promotions, blocks loaded and saved, load errors, and the
+time the engine spent in the connector's hooks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ _EVENTS = (
     ("SSD corrupt blocks", "kvtier_ssd_corrupt_blocks_total"),
     ("SSD read errors", "kvtier_ssd_read_errors_total"),
 )
+# Seconds the engine spent inside the connector's hooks, on its own path.
+_SECONDS = (
+    ("scheduler in kvtier's hooks (s)", "kvtier_scheduler_hook_seconds_total"),
+    ("workers in kvtier's hooks (s)", "kvtier_worker_hook_seconds_total"),
+)
 
 
 def snapshot_table(url: str, first: dict[str, float], prev: dict[str, float], now: dict[str, float]) -> Table:
@@ -49,6 +55,9 @@ def snapshot_table(url: str, first: dict[str, float], prev: dict[str, float], no
     for name, key in _EVENTS:
         if key in now:
             t.add_row(name, f"{now[key] - first.get(key, 0):,.0f}", f"{now[key] - prev.get(key, 0):,.0f}")
+    for name, key in _SECONDS:
+        if key in now:
+            t.add_row(name, f"{now[key] - first.get(key, 0):,.3f}", f"{now[key] - prev.get(key, 0):,.3f}")
     for tier in ("dram", "ssd"):
         used, total_slots = now.get(f"kvtier_{tier}_slots_used"), now.get(f"kvtier_{tier}_slots_total")
         if total_slots:
