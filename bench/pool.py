@@ -474,6 +474,15 @@ def standalone_load_s(args: argparse.Namespace) -> float | None:
     return statistics.median(res["load"])
 
 
+HOOK_SERIES = ("kvtier_scheduler_hook_seconds_total", "kvtier_worker_hook_seconds_total")
+
+
+def hook_seconds(servers: Sequence) -> float:
+    """The time the servers' engines have spent in kvtier's hooks so far
+    (0 for vLLM alone, which has none)."""
+    return sum(m.get(k, 0.0) for m in (srv.metrics() for srv in servers) for k in HOOK_SERIES)
+
+
 def rotation(names: Sequence[str], k: int) -> list[str]:
     """``names`` starting at the ``k``-th (modulo): over ``len(names)``
     consecutive ``k`` each comes first once."""
@@ -495,7 +504,8 @@ def merge_sets(sets: list[dict[str, dict]]) -> dict[str, dict]:
         out[n] = {"ttft_s": statistics.median(ttfts), "ttfts": ttfts,
                   "tokens_per_s": statistics.median(rates), "rates": rates, "cpu_s": cpu,
                   "cpu_ms_per_1k_tokens": 1e6 * sum(cpu.values()) / sum(s[n]["tokens"] for s in sets),
-                  "set_ttfts": [s[n]["ttfts"] for s in sets], "set_rates": [s[n]["rates"] for s in sets]}
+                  "set_ttfts": [s[n]["ttfts"] for s in sets], "set_rates": [s[n]["rates"] for s in sets],
+                  "hook_s_per_prompt": sum(s[n].get("hook_s", 0.0) for s in sets) / len(ttfts)}
     return out
 
 
@@ -540,10 +550,14 @@ def run_ttft(args: argparse.Namespace) -> dict:
         pids = {n: a.pids() + b.pids() + extra for n, (a, b, extra) in configs.items()}
         cpu0 = {n: cpu_by_process(p) for n, p in pids.items()}
         ttfts: dict[str, list[float]] = {n: [] for n in names}
+        hooks0 = {n: hook_seconds(configs[n][:2]) for n in names}
         for i in range(2 * args.rounds):  # as many on A as on B, each configuration first as often on each
             p = prompt(seed0 + i, args.prompt_tokens)
             for n in turn(i // 2):
                 ttfts[n].append(ttft(client, configs[n][i % 2], p))
+        # kvtier's hooks on the engine's path over those prompts (counted
+        # inside the instances, whatever another instance runs like).
+        hooks = {n: hook_seconds(configs[n][:2]) - hooks0[n] for n in names}
         rates: dict[str, list[float]] = {n: [] for n in names}
         tokens = dict.fromkeys(names, 0)
         # Rep -1's rates are not counted: an instance's first batch of
@@ -570,7 +584,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
         out = {}
         for n in names:
             cpu = {k: v - cpu0[n].get(k, 0.0) for k, v in cpu_by_process(pids[n]).items()}
-            out[n] = {"ttfts": ttfts[n], "rates": rates[n], "cpu_s": cpu,
+            out[n] = {"ttfts": ttfts[n], "rates": rates[n], "cpu_s": cpu, "hook_s": hooks[n],
                       "tokens": tokens[n] + len(ttfts[n]) * (args.prompt_tokens + 4)}
         return out
 
@@ -713,6 +727,13 @@ def print_ttft(res: dict) -> None:
               "vLLM alone "
               f"{plain['tokens_per_s']:.0f} tok/s | {tput_ratio:.3f}x | {tput_paired:.3f}x | "
               f"within {GOAL_NO_HIT:.0%} |")
+        if pool.get("hook_s_per_prompt"):
+            # What the pool adds on the first token's path, measured inside
+            # the instances: free of the spread between instances.
+            hook = pool["hook_s_per_prompt"]
+            print(f"| kvtier's hooks on the engine's path a prompt, prefill to last token, 0 % hits | "
+                  f"{hook * 1000:.1f} ms | TTFT on the pool {pool['ttft_s'] * 1000:.0f} ms | "
+                  f"{hook / pool['ttft_s']:.3f}x | | within {GOAL_NO_HIT:.0%} |")
         control = res.get("control")
         if control:
             print(f"| TTFT, 0 % hits, a second pair of vLLM alone (control) | {control['ttft_s'] * 1000:.0f} ms | "
