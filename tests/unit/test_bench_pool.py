@@ -30,9 +30,10 @@ def test_each_configuration_comes_first_once_per_round(pool):
 def test_sets_pool_in_order_so_pairs_stay_aligned(pool):
     sets = [
         {"plain": {"ttfts": [1.0, 2.0], "rates": [10.0], "cpu_s": {"w": 1.0}, "tokens": 1000},
-         "pool": {"ttfts": [1.1, 2.2], "rates": [11.0], "cpu_s": {"w": 2.0, "meta": 0.5}, "tokens": 1000}},
+         "pool": {"ttfts": [1.1, 2.2], "rates": [11.0], "cpu_s": {"w": 2.0, "meta": 0.5}, "tokens": 1000,
+                  "hook_s": 0.25}},
         {"plain": {"ttfts": [3.0, 4.0], "rates": [30.0], "cpu_s": {"w": 3.0}, "tokens": 3000},
-         "pool": {"ttfts": [3.3, 4.4], "rates": [27.0], "cpu_s": {"w": 4.0}, "tokens": 3000}},
+         "pool": {"ttfts": [3.3, 4.4], "rates": [27.0], "cpu_s": {"w": 4.0}, "tokens": 3000, "hook_s": 0.5}},
     ]
     out = pool.merge_sets(sets)
     assert out["pool"]["ttfts"] == [1.1, 2.2, 3.3, 4.4]
@@ -42,3 +43,5 @@ def test_sets_pool_in_order_so_pairs_stay_aligned(pool):
     assert out["pool"]["cpu_ms_per_1k_tokens"] == pytest.approx(1e6 * 6.5 / 4000)
     assert out["pool"]["set_rates"] == [[11.0], [27.0]]
     assert out["plain"]["set_ttfts"] == [[1.0, 2.0], [3.0, 4.0]]
+    # The hooks' time over every set's TTFT prompts, per prompt; none for vLLM alone.
+    assert out["pool"]["hook_s_per_prompt"] == 0.75 / 4 and out["plain"]["hook_s_per_prompt"] == 0.0

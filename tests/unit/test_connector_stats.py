@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+import kvtier.connector.connector as connector
+from kvtier.connector.connector import KvtierConnector
 from kvtier.connector.stats import KvtierStats
+from kvtier.connector.worker import WorkerSide
+from tests.unit.vllm_configs import BLOCK, kv_cache_config, vllm_config
 
 
 def test_events_sum_and_gauges_take_the_latest() -> None:
@@ -27,43 +36,70 @@ def test_a_report_of_gauges_alone_is_not_empty() -> None:
 # --- the engine's time in the connector's hooks -------------------------------------------
 
 
-def test_hook_time_goes_out_with_the_statistics_or_alone_after_a_while(tmp_path, monkeypatch) -> None:
-    import time as _time
-    from types import SimpleNamespace
+class _Clock:
+    """Stands for the connector's clock: time passes only when a test says so."""
 
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    def __init__(self) -> None:
+        self.now = 100.0
 
-    import kvtier.connector.connector as connector
-    from kvtier.connector.connector import KvtierConnector
-    from tests.unit.vllm_configs import BLOCK, kv_cache_config, vllm_config
+    def perf_counter(self) -> float:
+        return self.now
 
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    c = _Clock()
+    monkeypatch.setattr(connector, "time", c)
+    return c
+
+
+def _taking(clock: _Clock, seconds: float, result):
+    def hook(*args):
+        clock.now += seconds  # a call the engine waits for
+        return result
+    return hook
+
+
+def test_scheduler_hook_time_goes_out_with_the_statistics_or_alone_after_a_while(tmp_path, clock) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
     conn = KvtierConnector(vllm_config(extra={"dram_size": "8MB", "shm_dir": str(shm)}),
                            KVConnectorRole.SCHEDULER, kv_cache_config())
     try:
-        req = SimpleNamespace(request_id="r", num_tokens=4 * BLOCK + 1, all_token_ids=list(range(4 * BLOCK + 1)),
-                              num_computed_tokens=0, mm_features=None, prompt_embeds=None, lora_request=None,
-                              cache_salt=None)
-        slow = conn._scheduler.get_num_new_matched_tokens
-
-        def lookup(*args):
-            _time.sleep(0.02)  # a lookup the engine waits for
-            return slow(*args)
-
-        conn._scheduler.get_num_new_matched_tokens = lookup
+        req = SimpleNamespace(request_id="r", num_tokens=4 * BLOCK + 1)
+        conn._scheduler.get_num_new_matched_tokens = _taking(clock, 0.25, (0, False))
         assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
         first = conn.get_kv_connector_stats()  # the tiers' gauges are new: a report, the hook's time with it
-        assert first is not None and first.data["scheduler_hook_seconds"] >= 0.02
+        assert first is not None and first.data["scheduler_hook_seconds"] == 0.25
         assert "worker_hook_seconds" not in first.data
-        assert first.reduce()["scheduler_hook_seconds"] == first.data["scheduler_hook_seconds"]
+        assert first.reduce()["scheduler_hook_seconds"] == 0.25
         # Nothing else to report: the time waits for the next report...
         conn.get_num_new_matched_tokens(req, 0)
+        conn.get_num_new_matched_tokens(req, 0)
         assert conn.get_kv_connector_stats() is None
-        # ... or goes out alone once HOOK_FLUSH_S has passed, all of it, once.
-        monkeypatch.setattr(connector, "HOOK_FLUSH_S", 0.0)
+        # ... or goes out alone once HOOK_FLUSH_S has passed since the last, all of it, once.
+        clock.now += connector.HOOK_FLUSH_S
         alone = conn.get_kv_connector_stats()
         assert alone is not None and not alone.is_empty()
-        assert alone.data.keys() == {"scheduler_hook_seconds"} and alone.data["scheduler_hook_seconds"] >= 0.02
+        assert alone.data == {"scheduler_hook_seconds": 0.5}
+        clock.now += connector.HOOK_FLUSH_S
+        assert conn.get_kv_connector_stats() is None
     finally:
         conn.shutdown()
+
+
+def test_worker_hook_time_is_reported_as_the_workers(clock, monkeypatch) -> None:
+    # A worker half without vLLM's process groups (its rank is all the hooks need).
+    monkeypatch.setattr(connector, "build_worker_side", lambda *args: WorkerSide(0, 64))
+    conn = KvtierConnector(vllm_config(extra={"dram_size": "8MB"}), KVConnectorRole.WORKER, kv_cache_config())
+    conn._worker.get_block_ids_with_load_errors = _taking(clock, 0.125, set())
+    assert conn.get_block_ids_with_load_errors() == set()
+    assert conn.get_kv_connector_stats() is None  # nothing copied, and under HOOK_FLUSH_S
+    clock.now += connector.HOOK_FLUSH_S
+    stats = conn.get_kv_connector_stats()
+    assert stats is not None and stats.data == {"worker_hook_seconds": 0.125}
+    # Summed over ranks and intervals as any counter.
+    assert stats.aggregate(KvtierStats({"worker_hook_seconds": 0.5})).data == {"worker_hook_seconds": 0.625}

@@ -479,7 +479,8 @@ def _on_engine_path(hook: _Hook) -> _Hook:
     """Count the wall time of a hook vLLM's engine waits for (the scheduler's
     or a worker's thread): ``kvtier_scheduler_hook_seconds`` and
     ``kvtier_worker_hook_seconds`` are what the cache costs the engine on
-    its own path, whatever the cache's threads do beside it."""
+    its own path, whatever the cache's threads do beside it. vLLM calls a
+    connector's hooks from one thread: the sum takes no lock."""
 
     @functools.wraps(hook)
     def timed(self: KvtierConnector, *args: Any, **kwargs: Any) -> Any:
@@ -497,7 +498,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         self._hook_s = 0.0  # time in the hooks not yet reported
-        self._hook_flushed_s = time.monotonic()
+        self._hook_flushed_at = time.monotonic()
         self._hook_stat = "scheduler_hook_seconds" if role == KVConnectorRole.SCHEDULER else "worker_hook_seconds"
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -752,6 +753,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     @_on_engine_path
     def get_kv_connector_stats(self) -> KvtierStats | None:
+        """The half's statistics with the hooks' time, or None when there is
+        nothing to report yet. An inert connector reports nothing."""
         half = self._scheduler or self._worker
         if half is None:
             return None
@@ -763,10 +766,10 @@ class KvtierConnector(KVConnectorBase_V1):
         # The hooks' time rides along with the half's statistics, or goes
         # out alone at most every HOOK_FLUSH_S (not a report every step).
         now = time.monotonic()
-        if self._hook_s and (stats is not None or now - self._hook_flushed_s >= HOOK_FLUSH_S):
+        if self._hook_s and (stats is not None or now - self._hook_flushed_at >= HOOK_FLUSH_S):
             stats = stats if stats is not None else KvtierStats()
             stats.add(self._hook_stat, self._hook_s)
-            self._hook_s, self._hook_flushed_s = 0.0, now
+            self._hook_s, self._hook_flushed_at = 0.0, now
         return stats
 
     def shutdown(self) -> None:

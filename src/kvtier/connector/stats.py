@@ -1,7 +1,8 @@
 """Connector statistics through vLLM's connector-stats hook and Prometheus.
 
 Worker halves count what they copied (blocks, bytes, seconds, load errors);
-the scheduler half adds what the index saw (evictions, slots in use). vLLM
+the scheduler half adds what the index saw (evictions, slots in use); each
+half adds the time the engine spent in its hooks. vLLM
 aggregates both per interval, logs :meth:`KvtierStats.reduce` as "KV
 Transfer metrics: ..." and feeds :class:`KvtierPromMetrics`, which exports
 ``kvtier_*`` series on vLLM's /metrics.
