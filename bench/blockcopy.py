@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ttft import memcpy_gbps  # this machine's memcpy, the copies' limit
 
 from kvtier.config import parse_size
-from kvtier.connector.copy import gather_blocks, gather_sealed, scatter_checked, slot_matrix
+from kvtier.connector.copy import gather_blocks, gather_sealed, scatter_checked, slot_matrix, written_runs
 from kvtier.layout import KvLayout, LayoutKind, block_major, kv_bytes_per_token
-from kvtier.tier.dram import DramTier, checksum
+from kvtier.tier.dram import DramTier, checksum, checksum_runs
 from kvtier.tools.model import GEOMETRIES
 
 GROUPS = 4  # prompts saved for the loads to take in turn
@@ -82,8 +82,9 @@ def run(args: argparse.Namespace) -> dict:
             return rng.sample(range(tier.num_slots), n), rng.sample(range(kv_blocks), n)
 
         def save_sealed(slot_ids: list[int], blocks: list[int], keys: list[bytes] = keys) -> None:
-            def seal(i: int) -> None:
-                tier.seal(slot_ids[i], keys[i], 0, checksum(tier.rank_view(slot_ids[i], 0), keys[i]))
+            def seal(i: int) -> None:  # the worker's: the checksum of what the copy read
+                runs = written_runs(layers, layout, blocks[i], tier.rank_view(slot_ids[i], 0))
+                tier.seal(slot_ids[i], keys[i], 0, checksum_runs(runs, keys[i]))
             gather_sealed(layers, layout, blocks, slots, slot_ids, seal)
 
         def save_then_seal(slot_ids: list[int], blocks: list[int]) -> None:

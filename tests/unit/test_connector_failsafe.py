@@ -11,6 +11,7 @@ from kvtier.connector.scheduler import SchedulerSide
 from kvtier.connector.worker import WorkerSide
 from kvtier.keys import KeyNamespace
 from kvtier.store import TieredStore
+from kvtier.tier import DramTier
 from tests.unit.helpers import BLOCK, FakeBlocks, FakeRequest
 
 
@@ -114,6 +115,33 @@ def test_a_clean_step_saves_and_seals(worker_and_tier) -> None:
     assert w.get_block_ids_with_load_errors() == set()
     assert w.build_report().failed_slots == []
     assert tier.verify(1, b"b" * 16, 0)
+
+
+def test_a_late_write_between_a_save_s_copy_and_its_seal_makes_the_block_a_miss(worker_and_tier,
+                                                                                   monkeypatch) -> None:
+    # A worker of an ended session, whose slot the pool gave to this save,
+    # writes into it right after the save's copy and before its checksum.
+    # The seal is of what the save copied, so the load that follows fails
+    # its check and vLLM recomputes; it never gets the late writer's bytes.
+    w, tier, kv = worker_and_tier
+    real, once = DramTier.rank_view, []
+
+    def late_write(self, slot: int, rank: int = 0):
+        part = real(self, slot, rank)
+        if not once:
+            once.append(slot)
+            part.fill_(7)
+        return part
+
+    monkeypatch.setattr(DramTier, "rank_view", late_write)
+    plan = StepPlan(step=6, arena=tier.path, saves=[BlockCopy(2, 1, b"b" * 16)])
+    w.start_load_kv(plan)
+    w.wait_for_save(plan)
+    assert once == [1] and w.build_report().failed_slots == []
+    assert tier.is_sealed(1, b"b" * 16)
+    load = StepPlan(step=7, arena=tier.path, loads=[BlockCopy(5, 1, b"b" * 16)])
+    w.start_load_kv(load)
+    assert w.get_block_ids_with_load_errors() == {5}
 
 
 def test_save_failures_after_the_report_was_taken_still_reach_it(worker_and_tier) -> None:

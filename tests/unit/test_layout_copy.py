@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvtier.connector.copy import can_check_while_copying, gather_blocks, gather_sealed, scatter_blocks
-from kvtier.connector.copy import scatter_checked, slot_matrix
+from kvtier.connector.copy import scatter_checked, slot_matrix, written_runs
 from kvtier.layout import KvLayout, LayoutKind, block_major, block_run, detect_kind, kv_bytes_per_token
 from kvtier.tier import DramTier
-from kvtier.tier.dram import checksum
+from kvtier.tier.dram import checksum, checksum_runs
 
 NUM_BLOCKS = 8
 BLOCK_TOKENS = 4
@@ -392,6 +392,44 @@ def test_gather_sealed_writes_what_gather_blocks_writes_and_seals_each_slot_once
         assert torch.equal(tier.rank_view(s, 0), expected[s])
         assert tier.verify(s, keys[i], 0)
     assert torch.all(tier.rank_view(1, 0) == 0)  # a slot it was not given
+
+
+def test_the_runs_a_save_meant_to_write_hash_as_the_slot_they_were_copied_into(make_tier, capacity_for) -> None:
+    # Three layers of 240 bytes in parts of 256: the runs interleave vLLM's
+    # blocks with the slot's padding, and the slot's tail after the last
+    # layer, so their checksum is the checksum of the whole rank part.
+    kv, layout, layers, tier, slots = bf16_arena(make_tier, capacity_for, LayoutKind.CPU, layers=3, seed=9)
+    assert layout.layer_stride > layout.layer_block_bytes
+    tier.rank_view(2, 0).fill_(0xA5)  # padding bytes that no save writes, hashed as they are
+    key = b"r" * 16
+    gather_sealed(layers, layout, [5], slots, [2], lambda i: None)
+    runs = written_runs(layers, layout, 5, tier.rank_view(2, 0))
+    assert sum(len(r) for r in runs) == tier.rank_bytes
+    assert b"".join(bytes(r) for r in runs) == tier.rank_view(2, 0).numpy().tobytes()
+    assert checksum_runs(runs, key) == checksum(tier.rank_view(2, 0), key)
+
+
+def test_a_late_writer_between_a_block_s_copy_and_its_seal_leaves_a_slot_that_fails(make_tier,
+                                                                                     capacity_for) -> None:
+    # A worker of an ended session, whose slot went to this block meanwhile,
+    # writes its bytes right after this block's copy. Sealed with the
+    # checksum of what the copy read, the slot fails its check (a miss);
+    # sealed with the checksum of the slot, it would pass with the late
+    # writer's bytes under this block's key.
+    kv, layout, layers, tier, slots = bf16_arena(make_tier, capacity_for, LayoutKind.CPU, layers=2, seed=10)
+    key = b"n" * 16
+    late = torch.randint(0, 256, (tier.rank_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+
+    def seal(i: int) -> None:
+        part = tier.rank_view(1, 0)
+        part.copy_(late)  # the late writer's copy lands here
+        tier.seal(1, key, 0, checksum_runs(written_runs(layers, layout, 3, part), key))
+
+    gather_sealed(layers, layout, [3], slots, [1], seal)
+    assert tier.is_sealed(1, key)
+    assert not tier.verify(1, key, 0)
+    tier.seal(1, key, 0, checksum(tier.rank_view(1, 0), key))  # what a checksum of the slot would seal
+    assert tier.verify(1, key, 0)
 
 
 def test_gather_sealed_stops_at_a_failing_seal(make_tier, capacity_for) -> None:

@@ -137,16 +137,44 @@ def scatter_checked(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids:
 def gather_sealed(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],
                   slots: torch.Tensor, slot_ids: Sequence[int], seal: Callable[[int], None]) -> None:
     """:func:`gather_blocks` block by block, each block's layers then
-    ``seal(i)`` for the ``i``-th block, which checksums the slot while the
-    bytes just written are still in the cache: gathering every block first
-    and checksumming after read them all again from memory (an 8k-token
-    save of 127 blocks of 512 KiB: 4.8-5.3 ms against 6.2-6.9 ms,
-    bench/blockcopy.py).
+    ``seal(i)`` for the ``i``-th block, which checksums it while the bytes
+    just copied are still in the cache (:func:`written_runs`): gathering
+    every block first and checksumming after read them all again from
+    memory (an 8k-token save of 127 blocks of 512 KiB: 4.8-5.3 ms against
+    6.2-6.9 ms, bench/blockcopy.py).
     Only for :func:`can_check_while_copying`. An exception ends the call:
     the blocks sealed before it are whole, the others may not be.
     """
     for i in _block_by_block(layers, layout, block_ids, slots, slot_ids, to_slots=True):
         seal(i)
+
+
+def written_runs(layers: Sequence[torch.Tensor], layout: KvLayout, block_id: int,
+                 rank_part: torch.Tensor) -> list[memoryview]:
+    """The bytes a save of block ``block_id`` means ``rank_part`` (a slot's
+    part for this rank, uint8) to hold, in their order there: each layer's
+    block read from vLLM's KV (block-major ``layers``, dense blocks on
+    CPU), and the slot's own bytes between and after them (alignment,
+    which no save writes).
+
+    A seal checksums these rather than the slot: a late writer (a worker of
+    an ended session whose slot was given to another block meanwhile) whose
+    copy lands between this block's copy and its seal then leaves a slot
+    that fails its check, where a checksum read from the slot would have
+    sealed the late writer's bytes under this block's key. Valid until the
+    tensors are freed; for immediate use.
+    """
+    nbytes, stride = layout.layer_block_bytes, layout.layer_stride
+    part, size = rank_part.data_ptr(), rank_part.numel()
+    block = ctypes.c_ubyte * nbytes
+    runs = []
+    for j, bm in enumerate(layers):
+        runs.append(memoryview(block.from_address(bm.data_ptr() + block_id * bm.stride(0) * bm.element_size())))
+        start = j * stride + nbytes
+        gap = (stride * (j + 1) if j + 1 < len(layers) else size) - start
+        if gap > 0:
+            runs.append(memoryview((ctypes.c_ubyte * gap).from_address(part + start)))
+    return runs
 
 
 def _block_by_block(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: Sequence[int],

@@ -71,12 +71,13 @@ from kvtier.connector.copy import (
     scatter_blocks,
     scatter_checked,
     slot_matrix,
+    written_runs,
 )
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import KvtierStats
 from kvtier.hostmem import PageWarmer, PinnedRegion, pin_host_memory
 from kvtier.layout import KvLayout, LayoutKind
-from kvtier.tier.dram import DramTier, checksum
+from kvtier.tier.dram import DramTier, checksum, checksum_runs
 
 log = logging.getLogger(__name__)
 
@@ -507,17 +508,20 @@ class WorkerSide:
         blocks = [c.block_id for c in plan.saves]
         slots = [c.slot for c in plan.saves]
         tier, rank, keys = self._tier, self.rank, [c.key for c in plan.saves]
+        layers, layout = self._layers, self.layout
 
         def seal(i: int) -> None:
-            tier.seal(slots[i], keys[i], rank, checksum(tier.rank_view(slots[i], rank), keys[i]))
+            # The checksum of what the copy read, not of the slot (written_runs says why).
+            part = tier.rank_view(slots[i], rank)
+            tier.seal(slots[i], keys[i], rank, checksum_runs(written_runs(layers, layout, blocks[i], part), keys[i]))
 
         try:
-            if can_check_while_copying(self._layers, self.layout):
-                gather_sealed(self._layers, self.layout, blocks, self._slots, slots, seal)
+            if can_check_while_copying(layers, layout):
+                gather_sealed(layers, layout, blocks, self._slots, slots, seal)
             else:
-                gather_blocks(self._layers, self.layout, blocks, self._slots, slots)
+                gather_blocks(layers, layout, blocks, self._slots, slots)
                 for i in range(len(blocks)):
-                    seal(i)
+                    tier.seal(slots[i], keys[i], rank, checksum(tier.rank_view(slots[i], rank), keys[i]))
         except Exception:  # noqa: BLE001 - a failed save is only a future miss
             log.exception("kvtier: saving %d blocks failed", len(blocks))
             report.failed_slots.extend(slots)
