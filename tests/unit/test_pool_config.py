@@ -6,13 +6,23 @@ import dataclasses
 import logging
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvtier.config import ClusterConfig, KvtierConfig, PublishOn
 from kvtier.errors import ConfigError
-from kvtier.pool.config import KEYS, PoolConfig, Protocol, accept_any, load_pool_config, parse_service_url
+from kvtier.pool.config import (
+    KEYS,
+    PoolConfig,
+    Protocol,
+    accept_any,
+    check_pool_fits,
+    load_pool_config,
+    parse_service_url,
+)
 from kvtier.tools.sizing import format_pool_totals, pool_totals
 
 GIB = 1 << 30
@@ -144,6 +154,8 @@ def test_seed_b_files_parse(tmp_path: Path) -> None:
         "ock.mmc.meta_service.config_store_url is ignored",
         "ock.mmc.local_service.config_store_url is ignored",
         "ock.mmc.local_service.hcom_url is ignored"]
+    assert [line.split(": ")[1] for line in cfg.warnings] == [
+        "ock.mmc.local_service.protocol = host_tcp works as host_shm"]
     assert cfg.store_config().evict_threshold_high == 100.0
 
 
@@ -433,7 +445,11 @@ def test_device_and_rdma_protocols_are_refused(tmp_path: Path, proto: str) -> No
 
 @pytest.mark.parametrize(("text", "proto"), [("host_shm", Protocol.HOST_SHM), ("HOST_TCP", Protocol.HOST_TCP)])
 def test_host_protocols_work(tmp_path: Path, text: str, proto: Protocol) -> None:
-    assert load_local(tmp_path, f"ock.mmc.local_service.protocol = {text}\n").protocol is proto
+    cfg = load_local(tmp_path, f"ock.mmc.local_service.protocol = {text}\n")
+    assert cfg.protocol is proto
+    # host_tcp changes nothing in kvtier, and says so.
+    said = [line for line in cfg.warnings if "protocol = host_tcp works as host_shm" in line]
+    assert len(said) == (proto is Protocol.HOST_TCP) and all(line.startswith(f"{tmp_path}") for line in said)
 
 
 # --- sizes and totals -----------------------------------------------------------
@@ -457,6 +473,34 @@ def test_totals_follow_the_seed_formula(tmp_path: Path) -> None:
     text = format_pool_totals(t)
     assert "8 device(s) x (20.0 GiB DRAM tier + 10.0 GiB SSD staging) = 240.0 GiB host memory" in text
     assert "DRAM arena of the node: 160.0 GiB" in text and "/tmp/kvtier-ssd" in text
+
+
+def test_a_pool_the_host_cannot_hold_is_refused_naming_the_keys_it_comes_from(tmp_path: Path) -> None:
+    # MemCache's own default world_size (256) read as the node's devices.
+    cfg = load_local(tmp_path, "ock.mmc.local_service.dram.size = 1TB\nock.mmc.local_service.world_size = 256\n")
+    with pytest.raises(ConfigError) as info:
+        check_pool_fits(cfg)
+    err = info.value
+    assert err.key == "ock.mmc.local_service.dram.size" and "\n" not in str(err)
+    assert "1024 GiB x 256 device(s) = 262144 GiB" in str(err)
+    assert err.source == f"{tmp_path / 'mmc-local.conf'}:1, {tmp_path / 'mmc-local.conf'}:2"
+    assert "free" in err.reason and "ubsio.standalone.device_count" in err.reason
+    check_pool_fits(load_local(tmp_path, "ock.mmc.local_service.dram.size = 64MB\n"))  # fits: no error
+
+
+def test_kvtier_meta_refuses_a_pool_too_big_before_creating_anything(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    meta = write(tmp_path, "mmc-meta.conf", "ock.mmc.meta_service_url = tcp://127.0.0.1:0\n")
+    local = write(tmp_path, "mmc-local.conf", f"kvtier.shm_dir = {shm}\nock.mmc.local_service.dram.size = 1TB\n"
+                                              "ubsio.standalone.device_count = 64\n")
+    out = subprocess.run([sys.executable, "-m", "kvtier.meta", "--meta-config", meta, "--local-config", local],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "ock.mmc.local_service.dram.size = '1024 GiB x 64 device(s)" in errors[0]
+    assert "mmc-local.conf:2, " in errors[0] and "mmc-local.conf:3" in errors[0]
+    assert list(shm.iterdir()) == []
 
 
 def test_more_devices_than_world_size_is_refused(tmp_path: Path) -> None:
@@ -628,7 +672,7 @@ def test_example_files_parse() -> None:
     meta, local = str(EXAMPLES / "mmc-meta.conf"), str(EXAMPLES / "mmc-local.conf")
     cfg = load_pool_config(meta, local, env={})
     assert (cfg.meta_url, cfg.client_url, cfg.metrics_port) == ("tcp://127.0.0.1:5000", "tcp://127.0.0.1:5000", 5001)
-    assert (cfg.devices, cfg.dram_bytes, cfg.storage_enabled, cfg.protocol) == (8, 160 * GIB, False,
+    assert (cfg.devices, cfg.dram_bytes, cfg.storage_enabled, cfg.protocol) == (1, 2 * GIB, False,
                                                                                Protocol.HOST_SHM)
     assert [line.split(": ")[1] for line in cfg.ignored] == [
         "ock.mmc.meta_service.config_store_url is ignored", "ock.mmc.local_service.config_store_url is ignored"]
@@ -650,7 +694,7 @@ def test_example_files_commented_keys_are_valid(tmp_path: Path) -> None:
     assert cfg.token == "change-me"
     assert (cfg.ssd_paths, cfg.ssd_size_bytes, cfg.staging_size_per_device) == (
         ("/dev/loop0", "/dev/loop1"), 64 * GIB, 10 * GIB)
-    assert pool_totals(cfg).host_bytes == 8 * 30 * GIB
+    assert pool_totals(cfg).host_bytes == 1 * (2 + 10) * GIB
 
 
 # --- the cluster tier ----------------------------------------------------------

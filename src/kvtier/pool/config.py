@@ -53,6 +53,7 @@ from kvtier.config import (
     KvtierConfig,
     PublishOn,
     ServiceAddress,
+    check_dram_fits,
     parse_bool,
     parse_enum,
     parse_host_port,
@@ -70,6 +71,7 @@ Parser = Callable[[str, object, str], object]
 META_ENV = "MMC_META_CONFIG_PATH"
 LOCAL_ENV = "MMC_LOCAL_CONFIG_PATH"
 TOKEN_ENV = "KVTIER_TOKEN"
+DRAM_SIZE_KEY = "ock.mmc.local_service.dram.size"
 
 MAX_DRAM_PER_DEVICE = 1 << 40  # MemCache's limit for dram.size
 DRAM_ALIGN = 2 << 20  # MemCache rounds dram.size up to 2 MiB for host protocols
@@ -79,7 +81,7 @@ class Protocol(enum.Enum):
     """How instances reach the node's pool. Only host protocols: kvtier's blocks pass through host memory."""
 
     HOST_SHM = "host_shm"  # one node: instances map the service's arena
-    HOST_TCP = "host_tcp"  # the index over TCP (nodes, or containers without a shared /dev/shm)
+    HOST_TCP = "host_tcp"  # accepted, works as host_shm (the service's address is meta_service_url's)
 
 
 # MemCache's protocols that move data device to device or over RDMA:
@@ -462,6 +464,7 @@ class PoolConfig:
     ignored: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
+    size_sources: tuple[tuple[str, str], ...] = ()  # (key, "path:line") of dram.size and the device count
 
     @property
     def dram_bytes(self) -> int:
@@ -501,6 +504,24 @@ class PoolConfig:
             io_threads=self.io_threads,
             kv_warm_interval_s=self.warm_interval_s,
         )
+
+
+def check_pool_fits(cfg: PoolConfig) -> None:
+    """Refuse a node pool this host cannot hold (free memory in ``shm_dir``,
+    huge pages there, a container's limit), before anything is created:
+    the arena is allocated whole, and past the memory there is it would be
+    the OOM killer, not an error, that stops it. Names the keys it comes from."""
+    try:
+        check_dram_fits(cfg.store_config())
+    except ConfigError as err:
+        gib = 1 << 30
+        raise ConfigError(
+            DRAM_SIZE_KEY,
+            f"{cfg.dram_size_per_device / gib:g} GiB x {cfg.devices} device(s) = {cfg.dram_bytes / gib:g} GiB",
+            f"the node's DRAM pool (this size per device x the devices): {err.reason}; lower this size, or "
+            "the devices (ubsio.standalone.device_count, else ock.mmc.local_service.world_size)",
+            ", ".join(where for _, where in cfg.size_sources),
+        ) from None
 
 
 _FIELDS = {f.name for f in fields(PoolConfig)}
@@ -649,6 +670,8 @@ def _resolve(files: list[tuple[str, str, dict[str, _Setting]]], env: Mapping[str
         raise ConfigError("ubsio.standalone.device_count", s.value,
                           f"more devices than ock.mmc.local_service.world_size ({world}) allows", s.source)
     out["devices"] = device_count or world or 1
+    out["size_sources"] = tuple((k, chosen[k].source) for k in (DRAM_SIZE_KEY, "ubsio.standalone.device_count",
+                                                                "ock.mmc.local_service.world_size") if k in chosen)
 
     # SSD: off unless storage.enabled; its keys are then reported, not used.
     if values.get("storage_enabled"):
@@ -663,6 +686,12 @@ def _resolve(files: list[tuple[str, str, dict[str, _Setting]]], env: Mapping[str
                 values.pop(field_, None)  # type: ignore[arg-type]
                 ignored.append(f"{chosen[key].source}: {key} is ignored: "
                                "ock.mmc.local_service.storage.enabled is not true")
+
+    if values.get("protocol") is Protocol.HOST_TCP:
+        warnings.append(f"{chosen['ock.mmc.local_service.protocol'].source}: ock.mmc.local_service.protocol = "
+                       "host_tcp works as host_shm: instances reach the service at ock.mmc.meta_service_url and "
+                       "map the node's arena, so they must share its shm_dir; blocks cross nodes only through "
+                       "the cluster tier (kvtier.cluster.enabled)")
 
     if not values.get("cluster_enabled"):
         for key in [k for k in chosen if k.startswith("kvtier.cluster.") and k != "kvtier.cluster.enabled"]:

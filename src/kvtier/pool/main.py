@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
@@ -43,13 +44,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.pool.config import load_pool_config
+    from kvtier.pool.config import DRAM_SIZE_KEY, LOCAL_ENV, check_pool_fits, load_pool_config
     from kvtier.pool.http import PoolHttp
     from kvtier.pool.service import MetaService, ServiceOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         cfg = load_pool_config(args.meta_config, args.local_config)
+        check_pool_fits(cfg)
     except ConfigError as err:
         log.error("%s", err)
         return 2
@@ -58,6 +60,14 @@ def run(args: argparse.Namespace) -> int:
         log.info("%s", line)
     for line in cfg.warnings:
         log.warning("%s", line)
+    gib = 1 << 30
+    log.info("kvtier meta: a DRAM pool of %g GiB, %g GiB per device x %d device(s) (%s)", cfg.dram_bytes / gib,
+             cfg.dram_size_per_device / gib, cfg.devices,
+             ", ".join(f"{key} at {where}" for key, where in cfg.size_sources) or "kvtier's defaults")
+    if DRAM_SIZE_KEY not in dict(cfg.size_sources):
+        log.warning("kvtier meta: no file read sets ock.mmc.local_service.dram.size (%s: %s): the pool has "
+                    "kvtier's default size; on one node, set %s before starting kvtier meta to size it from the "
+                    "local file", LOCAL_ENV, os.environ.get(LOCAL_ENV) or "not set", LOCAL_ENV)
     role = getattr(args, "role", "meta")
     cluster = cfg.cluster_config()
     if role == "local" and not cfg.node_service_url:
