@@ -32,7 +32,7 @@ TESTS = [
     "tests/unit/test_connector_guards.py", "tests/unit/test_connector_failsafe.py", "tests/unit/test_dram.py",
     "tests/unit/test_pool_service.py", "tests/unit/test_store.py", "tests/unit/test_store_sessions.py",
     "tests/unit/test_pool_restart.py", "tests/unit/test_store_ssd.py", "tests/unit/test_layout_copy.py",
-    "tests/unit/test_connector_stats.py", "tests/unit/test_ssd.py",
+    "tests/unit/test_connector_stats.py", "tests/unit/test_ssd.py", "tests/unit/test_config.py",
 ]
 
 
@@ -71,6 +71,13 @@ MUTANTS = [
            "if False:"),
     Mutant("pool: key length not checked on the wire", "src/kvtier/pool/wire.py",
            "Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]", "Key = bytes"),
+    Mutant("store: held slots never return to the free list", "src/kvtier/store.py",
+           "                self._free.extend(slots)\n            return sum(len(x) for x in due)",
+           "                pass\n            return sum(len(x) for x in due)"),
+    Mutant("worker: a save sealed with the checksum of its slot", "src/kvtier/connector/worker.py",
+           "checksum_runs(written_runs(layers, layout, blocks[i], part), keys[i])", "checksum(part, keys[i])"),
+    Mutant("config: checksums off accepted on a shared pool", "src/kvtier/config.py",
+           "if self.backend.shared and not self.verify_checksums:", "if False:"),
     Mutant("dram: unpublished blocks adopted after a restart", "src/kvtier/tier/dram.py",
            'if key == empty or not h["published"] or not h["ready"][: self.ranks].all():',
            'if key == empty or not h["ready"][: self.ranks].all():'),

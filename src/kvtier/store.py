@@ -701,6 +701,13 @@ class TieredStore:
         with self._lock:
             return self._held_total()
 
+    def slot_counts(self) -> tuple[int, int, int, int]:
+        """(slots, on the free list, under an index entry, held), read at
+        once: every slot is in exactly one of the last three, so they add up
+        to the first unless a slot was lost or handed out twice."""
+        with self._lock:
+            return self.tier.num_slots, len(self._free), len(self._entries), self._held_total()
+
     def session_holds(self, owner: int) -> tuple[int, int]:
         """(pins held, PENDING entries) of ``owner``: what :meth:`end_session` would release."""
         with self._lock:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import httpx
 import pytest
 
 from kvtier.tools.meta import MetaProcess
-from kvtier.tools.server import VllmServer, free_port, parse_metrics
+from kvtier.tools.server import VllmServer, free_port, parse_metrics, signal_pids
 from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta, server_options,
                                 tokens)
 
@@ -226,6 +227,24 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
     assert again4 == refs[4]
 
 
+def freeze_while_saving(srv: VllmServer, node: Node, timeout_s: float = 120) -> dict:
+    """Stop every process of ``srv`` (SIGSTOP) at a moment the pool holds
+    unwritten saves for it (the only instance at work), and return the
+    pool's accounting then: a kill that follows lands mid-save for sure."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node.meta.health()["slots"]["pending"]:
+            pids = srv.pids()
+            signal_pids(pids, signal.SIGSTOP)
+            time.sleep(0.5)  # what it sent before it stopped is handled by now
+            slots = node.meta.health()["slots"]
+            if slots["pending"]:
+                return slots
+            signal_pids(pids, signal.SIGCONT)  # its step completed in between: again
+        time.sleep(0.01)
+    raise AssertionError(f"the pool never held a save of {srv.log_path}'s instance")
+
+
 def test_killed_instance_leaves_nothing_held_and_the_other_keeps_hitting(node: Node) -> None:
     a, b = node.servers["a"], node.servers["b"]
     assert len(node.wait_clients(2)["clients"]) == 2
@@ -237,19 +256,28 @@ def test_killed_instance_leaves_nothing_held_and_the_other_keeps_hitting(node: N
         except (httpx.HTTPError, AssertionError):
             pass  # the server dies under it
 
+    assert node.wait_released()["slots"]["held"] == 0  # nothing held from the tests before
     threads = [threading.Thread(target=ask, args=(p,)) for p in long_prompts]
     for t in threads:
         t.start()
-    wait_running(b)
+    holding = freeze_while_saving(b, node)
+    mark = len(node.meta.log_text())
     b.kill()  # the API server and its engine, killed mid-save
     for t in threads:
         t.join()
     b.stop()
     health = node.wait_clients(1)
     assert len(health["clients"]) == 1
+    # What B's session held when it was killed is what the service released.
+    ended = re.findall(r"session \d+ \(.*\) ended: .*; (\d+) pins released, (\d+) unwritten saves dropped",
+                       node.meta.log_text()[mark:])
+    assert ended == [(str(holding["pins"]), str(holding["pending"]))]
     slots = health["slots"]
     assert slots["pinned_entries"] == 0 and slots["unsettled_entries"] == 0
-    # Slots B took for saves are held for the grace period, then free again.
+    # Slots B took for saves are held for the grace period, then free again;
+    # each slot of the pool is free, under a block or held, counted apart.
+    assert slots["held"] == holding["pending"]
+    assert slots["free"] + slots["used"] + slots["held"] == slots["total"]
     slots = node.wait_released()["slots"]
     assert slots["held"] == 0
     assert slots["free"] + slots["used"] == slots["total"]

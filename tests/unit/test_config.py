@@ -75,6 +75,16 @@ def test_every_key_parsed() -> None:
     assert cfg == KvtierConfig(Backend.EMBEDDED, 3 << 20, 90.0, 50.0, False, "/tmp", "org/model")
 
 
+@pytest.mark.parametrize("backend", ["pool", "memcache"])
+def test_checksums_cannot_be_turned_off_on_a_shared_pool(backend: str) -> None:
+    # A load whose lease ended can read a slot another instance rewrote:
+    # only the checksum turns that into a miss.
+    with pytest.raises(ConfigError) as info:
+        parse_connector_config({"backend": backend, "verify_checksums": "off"}, check_memory=False)
+    assert info.value.key == "verify_checksums" and "shared pool" in str(info.value)
+    assert parse_connector_config({"backend": backend}, check_memory=False).verify_checksums is True
+
+
 def test_the_kv_warm_interval_is_seconds_and_zero_turns_it_off() -> None:
     assert KvtierConfig().kv_warm_interval_s is None  # hostmem.warm_interval_s decides
     assert parse_connector_config({"kv_warm_interval_s": "2.5s"}, check_memory=False).kv_warm_interval_s == 2.5

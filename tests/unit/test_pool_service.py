@@ -354,6 +354,42 @@ def test_a_key_of_the_wrong_length_ends_only_that_session(service: MetaService) 
     assert good.probe(keys(9, 1)).total == 0 and good.connected
 
 
+@pytest.mark.parametrize(("token", "starts"), [("", True), ("wrong", False)])
+def test_an_engine_the_service_cannot_take_yet_starts_and_joins_once_it_can(tmp_path: Path, token: str,
+                                                                             starts: bool) -> None:
+    # The service is up but cannot make its pool (its shm_dir is gone): a
+    # refusal that may pass. The engine starts with lookups missing and
+    # joins the pool once it can be made. A wrong token is not such a
+    # refusal: it stops the start with the key to fix.
+    from kvtier.config import parse_connector_config
+    from kvtier.connector.connector import build_pool_scheduler_side
+    from kvtier.errors import ConfigError
+    from tests.unit.vllm_configs import kv_cache_config, vllm_config
+
+    svc = start(tmp_path, token="secret")
+    (tmp_path / "shm").rmdir()
+    extra = {"backend": "pool", "meta_service_url": svc.address, "token": token or "secret"}
+    try:
+        cfg = parse_connector_config(extra, check_memory=False)
+        vc = vllm_config(extra=extra, model_kw={"served_model_name": "m"})
+        if not starts:
+            with pytest.raises(ConfigError) as info:
+                build_pool_scheduler_side(vc, kv_cache_config(), cfg)
+            assert info.value.key == "meta_service_url" and "token" in str(info.value)
+            return
+        side = build_pool_scheduler_side(vc, kv_cache_config(), cfg)
+        assert side is not None
+        pool, ks = side.store, keys(11, 2)
+        assert not pool.connected and pool.probe(ks).total == 0
+        (tmp_path / "shm").mkdir()
+        assert poll_until(lambda: pool.probe(ks) is not None and pool.connected, 15, 0.05)
+        assert pool.reconnects == 1 and svc.store is not None
+        assert [s.name for s in svc.sessions()] == [pool.name]
+        pool.shutdown()
+    finally:
+        svc.stop()
+
+
 def test_a_gone_service_is_a_miss_at_once_and_the_client_comes_back(tmp_path: Path) -> None:
     svc = start(tmp_path)
     port = int(svc.address.rsplit(":", 1)[1])

@@ -428,8 +428,13 @@ def build_pool_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheC
             log.error("kvtier: the meta service at %s refused this instance: %s; kvtier is off for it", url,
                       err.message)
             return None
-        raise ConfigError("meta_service_url", url, f"the meta service refused this instance: {err.message}",
-                          "kv_connector_extra_config") from None
+        if not err.transient:  # a token or a version to fix: said before the engine starts
+            raise ConfigError("meta_service_url", url, f"the meta service refused this instance: {err.message}",
+                              "kv_connector_extra_config") from None
+        log.warning("kvtier: the meta service at %s cannot take this instance yet (%s); lookups miss until it "
+                    "does", url, err.message)
+        placement = PoolPlacement(url, ranks=ranks, rank_bytes=rank_bytes, name=str(name), token=token,
+                                  connect=False)
     except (OSError, WireError, PoolUnavailable) as err:
         # Not there yet (started after vLLM, or restarting): lookups miss
         # until it answers; the engine serves meanwhile.

@@ -57,12 +57,19 @@ class PoolUnavailable(Exception):
 
 
 class PoolRefused(Exception):
-    """The service answered the handshake with a refusal (token, version, geometry)."""
+    """The service answered the handshake with a refusal (token, version, geometry, ...)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+    @property
+    def transient(self) -> bool:
+        """The service is up but cannot take a session now (it is stopping, or
+        could not make its pool): a later attempt may be taken, unlike a
+        wrong token, version or geometry."""
+        return self.code in ("stopping", "internal")
 
 
 class PoolPlacement:

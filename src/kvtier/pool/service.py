@@ -384,7 +384,7 @@ class MetaService:
             log.warning("kvtier meta: refused %s (%s): %s", msg.name, peer, err.message)
             _send(conn, wire.Error(0, err.code, err.message))
             return None
-        except ConfigError as err:
+        except (ConfigError, OSError) as err:  # the instance may try again: the service stays up
             log.error("kvtier meta: cannot make the pool: %s", err)
             _send(conn, wire.Error(0, "internal", f"the pool could not be made: {err}"))
             return None
@@ -551,8 +551,11 @@ class MetaService:
         return [store.tier.path] + ([":".join(store.ssd.paths)] if store.ssd is not None else [])
 
     def accounting(self) -> dict[str, int]:
-        """Slots by who holds them. ``held``: slots of ended sessions (or of
-        an adopted arena) kept out of use for the grace period. ``pins`` and
+        """Slots by who holds them. ``free`` (the free list), ``used``
+        (under an index entry) and ``held`` (slots of ended sessions, or of
+        an adopted arena, kept out of use for the grace period) are counted
+        each from where it is kept, at one moment: they add up to ``total``
+        unless a slot was lost or given out twice. ``pins`` and
         ``pending``: what live sessions hold; ``pinned_entries`` and ``unsettled_entries``: what the
         store holds, whoever for (PROMOTING included). Once every session
         that held something has ended, both pairs are 0: nothing outlives
@@ -569,9 +572,8 @@ class MetaService:
             pins += p
             pending += q
         st = store.statistics()
-        held = store.held_slots
-        return {"total": st.num_slots, "used": st.used_slots, "free": st.num_slots - st.used_slots - held,
-                "held": held,
+        total, free, used, held = store.slot_counts()
+        return {"total": total, "used": used, "free": free, "held": held,
                 "pins": pins, "pending": pending, "pinned_entries": st.pinned_slots,
                 "unsettled_entries": st.pending_slots}
 
