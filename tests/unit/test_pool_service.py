@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
@@ -320,14 +321,27 @@ def _answer(s: socket.socket) -> object:
     return None if body is None else wire.decode_server(body)
 
 
-@pytest.mark.parametrize("frame", [
-    struct.pack("<I", 100) + b"\x01\x02",
-    struct.pack("<I", wire.MAX_FRAME + 1),
-    struct.pack("<I", 8) + random.Random(8).randbytes(8),
-    wire.encode(wire.Hello(wire.PROTOCOL_VERSION + 1, "", "x", 1, 1, RANK_BYTES)),
-    wire.encode(wire.Probe(1, b"k" * 16)),
-], ids=["truncated", "oversized", "random-bytes", "wrong-version", "no-hello-first"])
-def test_bad_frames_are_refused_and_the_service_keeps_serving(service: MetaService, frame: bytes) -> None:
+def _random_frames(n: int) -> list[bytes]:
+    """Frames of random bytes, each whole (its length right), 1 to 300 bytes."""
+    rng = random.Random(8)
+    return [struct.pack("<I", k) + rng.randbytes(k) for k in (rng.randint(1, 300) for _ in range(n))]
+
+
+def _frame_of(raw: object) -> bytes:
+    """Any MessagePack value in a whole frame (no schema: what a broken client could send)."""
+    body = msgspec.msgpack.encode(raw)
+    return struct.pack("<I", len(body)) + body
+
+
+@pytest.mark.parametrize(("frame", "code", "says"), [
+    (struct.pack("<I", 100) + b"\x01\x02", "bad-request", "connection closed inside a frame"),
+    (struct.pack("<I", wire.MAX_FRAME + 1), "bad-request", "over the"),
+    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION + 1, "", "x", 1, 1, RANK_BYTES)), "version", "speaks"),
+    (wire.encode(wire.Probe(1, b"k" * 16)), "bad-request", "expected Hello first"),
+] + [(f, "bad-request", "expected Hello") for f in _random_frames(10)],
+    ids=["truncated", "oversized", "wrong-version", "no-hello-first"] + [f"random-{i}" for i in range(10)])
+def test_bad_frames_before_the_hello_are_refused_and_the_service_keeps_serving(service: MetaService, frame: bytes,
+                                                                               code: str, says: str) -> None:
     good = client(service)
     ks = keys(8, 2)
     save(good, ks, step=1)
@@ -335,10 +349,99 @@ def test_bad_frames_are_refused_and_the_service_keeps_serving(service: MetaServi
     s.sendall(frame)
     s.shutdown(socket.SHUT_WR)
     reply = _answer(s)
-    assert reply is None or (isinstance(reply, wire.Error) and reply.code in ("bad-request", "version"))
+    assert isinstance(reply, wire.Error) and reply.code == code and says in reply.message
     s.close()
     assert good.probe(ks).ready == 2
     assert service.accounting()["pending"] == 0
+
+
+@pytest.mark.parametrize(("frame", "says"), [
+    (struct.pack("<I", 100) + b"\x01\x02", "connection closed inside a frame (2 of 100 bytes)"),
+    (struct.pack("<I", wire.MAX_FRAME + 1), f"frame of {wire.MAX_FRAME + 1} bytes announced"),
+    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "again", 1, 1, RANK_BYTES)), "a second Hello"),
+    (_frame_of(["Pin", 7, "two", b"k" * 16]), "`Pin.step`"),
+    (_frame_of(["CompleteStep", 7, 2]), "CompleteStep: Expected `array`"),
+] + [(f, "") for f in _random_frames(10)],
+    ids=["truncated", "oversized", "second-hello", "wrong-type", "too-short"] + [f"random-{i}" for i in range(10)])
+def test_a_bad_frame_in_a_session_ends_that_session_alone_and_releases_what_it_held(service: MetaService,
+                                                                                    frame: bytes, says: str) -> None:
+    good = client(service)
+    ks = keys(8, 2)
+    save(good, ks, step=1)
+    s = _raw(service)
+    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "bad", 1, 1, RANK_BYTES)))
+    assert isinstance(_answer(s), wire.Welcome)
+    s.sendall(wire.encode(wire.Pin(1, 1, wire.pack_keys(ks))))  # a load's pins, to be given back
+    assert isinstance(_answer(s), wire.Slots)
+    assert service.accounting()["pins"] == 2
+    bad_before = service.bad_messages
+    s.sendall(frame)
+    if len(frame) < 8:  # announces more than it sends
+        s.shutdown(socket.SHUT_WR)
+    reply = _answer(s)
+    assert isinstance(reply, wire.Error) and reply.code == "bad-request" and says in reply.message
+    assert _answer(s) is None  # closed
+    s.close()
+    assert poll_until(lambda: len(service.sessions()) == 1, 10)
+    assert service.bad_messages == bad_before + 1
+    acc = service.accounting()
+    assert (acc["pins"], acc["pinned_entries"]) == (0, 0)
+    assert acc["free"] + acc["used"] + acc["held"] == acc["total"]
+    assert good.probe(ks).ready == 2 and good.connected
+
+
+class _BrokenService:
+    """A peer that speaks the wire but answers wrongly: ``welcome`` to the
+    Hello, then ``replies`` in turn to the requests (each with the
+    request's id), on 127.0.0.1."""
+
+    def __init__(self, welcome: wire.Welcome, replies: list) -> None:
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.url = f"tcp://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.welcome, self.replies = welcome, list(replies)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.srv.accept()
+        with conn:
+            wire.recv_frame(conn)
+            conn.sendall(wire.encode(self.welcome))
+            while (body := wire.recv_frame(conn)) is not None and self.replies:
+                req = wire.decode_client(body)
+                conn.sendall(wire.encode(msgspec.structs.replace(self.replies.pop(0), id=req.id)))
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+def _welcome(version: int = wire.PROTOCOL_VERSION) -> wire.Welcome:
+    return wire.Welcome(version, 1, "/nonexistent/arena", 8, 10_000, False, "")
+
+
+def test_a_service_of_another_protocol_version_is_refused_by_the_instance() -> None:
+    peer = _BrokenService(_welcome(wire.PROTOCOL_VERSION + 1), [])
+    try:
+        with pytest.raises(PoolRefused) as err:
+            PoolPlacement(peer.url, ranks=1, rank_bytes=RANK_BYTES, timeout_s=5)
+        assert err.value.code == "version" and f"protocol {wire.PROTOCOL_VERSION + 1}" in err.value.message
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("reply", [wire.ProbeReply(0, 3, 2), wire.ProbeReply(0, 1, 3), wire.ProbeReply(0, -1, 1),
+                                   wire.ProbeReply(0, 1, 2, 2), wire.Count(0, 1)],
+                         ids=["ready-over-total", "more-than-asked", "negative", "remote-over-rest", "wrong-type"])
+def test_a_lookup_answer_that_cannot_be_right_is_a_miss(reply: object) -> None:
+    # Two keys asked: an answer the instance cannot trust is a miss (vLLM
+    # recomputes), never a count of blocks to load.
+    peer = _BrokenService(_welcome(), [wire.ProbeReply(0, 0, 0), reply])  # the handshake's empty lookup, then
+    try:
+        c = PoolPlacement(peer.url, ranks=1, rank_bytes=RANK_BYTES, timeout_s=5)
+        got = c.probe(keys(12, 2))
+        assert (got.ready, got.total, got.remote) == (0, 0, 0)
+        c.shutdown()
+    finally:
+        peer.close()
 
 
 def test_a_key_of_the_wrong_length_ends_only_that_session(service: MetaService) -> None:

@@ -136,6 +136,9 @@ class PoolPlacement:
                 raise PoolRefused(msg.code, msg.message)
             if not isinstance(msg, wire.Welcome):
                 raise wire.WireError(f"expected Welcome, got {type(msg).__name__}")
+            if msg.version != wire.PROTOCOL_VERSION:
+                raise PoolRefused("version", f"the meta service speaks protocol {msg.version}, this instance "
+                                             f"{wire.PROTOCOL_VERSION}: run the same kvtier version")
             # A lookup of no keys: it goes through the store's lock, as
             # every real call does (a ping would not).
             sock.sendall(wire.encode(wire.Probe(0, b"")))
@@ -292,7 +295,10 @@ class PoolPlacement:
         if not keys:
             return Probe(0, 0)
         r = self._call(wire.Probe(0, wire.pack_keys(keys)))
-        return Probe(r.ready, r.total, r.remote) if isinstance(r, wire.ProbeReply) else Probe(0, 0)
+        if not isinstance(r, wire.ProbeReply) or not 0 <= r.ready <= r.total <= len(keys) \
+                or not 0 <= r.remote <= r.total - r.ready:
+            return Probe(0, 0)  # down, or an answer that cannot be right: a miss
+        return Probe(r.ready, r.total, r.remote)
 
     def promote(self, keys: Sequence[bytes]) -> int:
         r = self._call(wire.Promote(0, wire.pack_keys(keys)))

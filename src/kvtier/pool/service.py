@@ -322,7 +322,14 @@ class MetaService:
             if session is None:
                 return
             while not self._stop.is_set() and not session.ended:
-                body = wire.recv_frame(conn)
+                try:
+                    body = wire.recv_frame(conn)
+                except wire.WireError as err:  # oversized, or cut off inside a frame
+                    self.bad_messages += 1
+                    log.warning("kvtier meta: %s (%s) sent a bad frame: %s; connection closed", session.name,
+                                peer, err)
+                    _send(conn, wire.Error(0, "bad-request", str(err)))
+                    return
                 if body is None:
                     return
                 session.last_seen = time.monotonic()

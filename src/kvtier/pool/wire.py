@@ -20,6 +20,7 @@ each request carries an id the reply repeats.
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 from collections.abc import Sequence
@@ -210,7 +211,7 @@ def decode_client(body: bytes) -> ClientMessage:
     try:
         msg = _client_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
-        raise WireError(str(err)) from None
+        raise WireError(_named(str(err), body)) from None
     keys = getattr(msg, "keys", None)
     if keys is not None and len(keys) % KEY_BYTES:
         raise WireError(f"{type(msg).__name__}.keys: {len(keys)} bytes is not a whole number of "
@@ -222,7 +223,33 @@ def decode_server(body: bytes) -> ServerMessage:
     try:
         return _server_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:
-        raise WireError(str(err)) from None
+        raise WireError(_named(str(err), body)) from None
+
+
+_BY_TAG: dict[str, type[_Msg]] = {cls.__name__: cls for cls in _Msg.__subclasses__()}
+_AT = re.compile(r"`\$\[(\d+)\]")
+
+
+def _named(error: str, body: bytes) -> str:
+    """msgspec's error with the message and field named: structs travel as
+    arrays (tag first), so msgspec says where as ``$[i]``; this says
+    ``Pin.step`` instead, and which message an error of its length was in.
+    Only on the error path: the body is decoded again, untyped."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return error
+    cls = _BY_TAG.get(raw[0]) if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
+    if cls is None:
+        return error
+    fields = cls.__struct_fields__
+
+    def field(m: re.Match) -> str:
+        i = int(m.group(1)) - 1  # $[0] is the tag
+        return f"`{cls.__name__}.{fields[i]}" if 0 <= i < len(fields) else m.group(0)
+
+    named = _AT.sub(field, error)
+    return named if named != error else f"{cls.__name__}: {error}"
 
 
 def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> bytes | None:
