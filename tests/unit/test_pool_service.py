@@ -631,6 +631,61 @@ def http_server(service: MetaService, monkeypatch: pytest.MonkeyPatch) -> Iterat
     h.stop()
 
 
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text -> {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def test_metrics_and_queries_say_what_the_pool_holds_and_did(service: MetaService, http_server: PoolHttp) -> None:
+    url = http_server.url
+    # No instance yet: the pool is made for the first one's geometry.
+    assert httpx.get(url + "/get_all_segments", timeout=5).json() == {"segments": []}
+    assert httpx.get(url + "/api/v1/capacity/usage", timeout=5).json() == {}
+    a, b = client(service, name="a"), client(service, name="b")
+    held, absent = keys(50, 3), keys(51, 2)
+    save(a, held, step=1)
+    rpc_before = _samples(httpx.get(url + "/metrics", timeout=5).text)
+    assert b.probe(held + absent).ready == 3  # stops at the first absent key
+    assert b.probe(absent).total == 0
+    assert None not in a.pin(held, step=2)  # a load's lease
+    m = _samples(httpx.get(url + "/metrics", timeout=5).text)
+    tier = service.store.tier
+    dram = (("tier", "dram"),)
+    assert m[("kvtier_pool_clients", ())] == 2
+    assert m[("kvtier_pool_capacity_bytes", dram)] == tier.num_slots * tier.slot_stride
+    assert (m[("kvtier_pool_blocks", dram)], m[("kvtier_pool_used_bytes", dram)]) == (3, 3 * tier.slot_stride)
+    assert m[("kvtier_pool_lookup_keys_total", (("instance", "b"),))] == 7
+    assert m[("kvtier_pool_hit_keys_total", (("instance", "b"), ("tier", "dram")))] == 3
+    assert m[("kvtier_pool_hit_keys_total", (("instance", "b"), ("tier", "ssd")))] == 0
+    assert m[("kvtier_pool_miss_keys_total", (("instance", "b"),))] == 4
+    assert m[("kvtier_pool_leased_blocks", (("kind", "pinned"),))] == 3
+    assert m[("kvtier_pool_leased_blocks", (("kind", "unsettled"),))] == 0
+    assert m[("kvtier_pool_events_total", (("event", "sessions_started"),))] == 2
+    assert m[("kvtier_pool_events_total", (("event", "evictions"),))] == 0
+    probes = ("kvtier_pool_rpc_seconds_count", (("call", "Probe"),))
+    assert m[probes] - rpc_before[probes] == 2
+    # The queries, in MemCache's shapes.
+    info = httpx.get(url + "/query_key", params={"key": held[0].hex()}, timeout=5).json()
+    assert info["found"] and info["key"] == held[0].hex() and info["tiers"] == ["dram"]
+    assert info["dram"]["state"] == "ready" and info["dram"]["pins"] == 1
+    r = httpx.get(url + "/batch_query_keys", params={"keys": f"{held[1].hex()},{absent[0].hex()}"}, timeout=5)
+    assert [x["found"] for x in r.json()["results"]] == [True, False]
+    posted = httpx.post(url + "/batch_query_keys", json={"keys": [absent[1].hex(), held[2].hex()]}, timeout=5)
+    assert [(x["key"], x["found"]) for x in posted.json()["results"]] == [(absent[1].hex(), False),
+                                                                         (held[2].hex(), True)]
+    seg = httpx.get(url + "/get_all_segments", timeout=5).json()["segments"]
+    assert seg == [{"name": "dram", "path": tier.path, "capacity_bytes": tier.num_slots * tier.slot_stride,
+                    "used_bytes": 3 * tier.slot_stride, "blocks": 3, "block_bytes": tier.slot_stride}]
+    usage = httpx.get(url + "/api/v1/capacity/usage", timeout=5).json()
+    assert usage == {"dram": {"total_bytes": tier.num_slots * tier.slot_stride, "used_bytes": 3 * tier.slot_stride,
+                              "usage": round(3 / tier.num_slots, 6)}}
+    health = httpx.get(url + "/health", timeout=5).json()
+    assert sorted(c["name"] for c in health["clients"]) == ["a", "b"] and health["slots"]["pins"] == 3
+
+
 def test_an_idle_http_connection_is_dropped_and_others_are_served(http_server: PoolHttp) -> None:
     """A client that connects and sends nothing, or less body than it
     announced, no longer holds a thread and a descriptor for good."""

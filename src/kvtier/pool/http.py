@@ -5,7 +5,7 @@ Runs in the meta service's process, on its own thread, at the address of
 nothing here changes the pool.
 
 * ``/metrics``: Prometheus text (prometheus_client): capacity and usage
-  per tier, keys looked up and found by tier and by instance, evictions,
+  per tier, keys looked up, found (by tier) and missed, by instance, evictions,
   demotions, promotions (rewarms), leases (pinned and unsettled blocks,
   expired sessions), RPC latency per call, clients connected;
 * ``/health``: JSON, 200 while the service serves: connected instances
@@ -69,8 +69,10 @@ class _PoolCollector:
         yield clients
         looked = CounterMetricFamily("kvtier_pool_lookup_keys", "Block keys looked up, by instance",
                                      labels=["instance"])
-        found = CounterMetricFamily("kvtier_pool_hit_keys", "Block keys found, by tier and instance",
-                                    labels=["tier", "instance"])
+        found = CounterMetricFamily("kvtier_pool_hit_keys", "Block keys found, by the tier a load is served "
+                                    "from (ssd: read back into DRAM first) and instance", labels=["tier", "instance"])
+        missed = CounterMetricFamily("kvtier_pool_miss_keys", "Block keys looked up and not found, by instance",
+                                     labels=["instance"])
         clustered = svc.opts.cluster is not None
         for name, (n_look, n_dram, n_ssd, n_cluster) in svc.lookups_by_instance().items():
             looked.add_metric([name], n_look)
@@ -78,8 +80,10 @@ class _PoolCollector:
             found.add_metric(["ssd", name], n_ssd)
             if clustered:
                 found.add_metric(["cluster", name], n_cluster)
+            missed.add_metric([name], n_look - n_dram - n_ssd - n_cluster)
         yield looked
         yield found
+        yield missed
         if clustered:
             yield from _cluster_metrics(svc)
         events = CounterMetricFamily("kvtier_pool_events", "Pool events by kind", labels=["event"])

@@ -541,7 +541,10 @@ class MetaService:
             return list(self._sessions.values())
 
     def lookups_by_instance(self) -> dict[str, tuple[int, int, int, int]]:
-        """Instance name -> (keys looked up, found in DRAM, found on SSD only, found in the cluster only)."""
+        """Instance name -> (keys looked up, found readable in DRAM, found to be read back from SSD first,
+        found in the cluster only). "DRAM" is the leading run of keys readable there at once; the keys
+        after it that were found (on SSD, being promoted, or in DRAM after such a key) count as SSD: the
+        load waits for them to be in DRAM."""
         with self._lock:
             return {name: (a, b, c, d) for name, (a, b, c, d) in self._lookups.items()}
 
