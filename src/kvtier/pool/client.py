@@ -16,11 +16,12 @@ hands the engine a connection only once the service has answered both
 the handshake and a lookup on it (a service whose store hangs is not
 taken); the backoff starts over only once a call of the engine's is
 answered, so a service that answers those but hangs on other calls costs
-the engine one ``timeout_s`` per attempt, spaced out to 5 s. An engine call that finds the connection busy for longer than
-``LOCK_WAIT_S`` (another call waiting on a hung service) answers "miss"
-too. A reconnection opens a new session: pins and slots of the old one
-are gone with it (the service released them), and a load planned on one
-of them fails its worker's key and checksum check and is recomputed.
+the engine one ``timeout_s`` per attempt, spaced out to 5 s. An engine
+call that finds the connection busy for longer than ``LOCK_WAIT_S``
+(another call waiting on a hung service) answers "miss" too. A
+reconnection opens a new session: pins and slots of the old one are gone
+with it (the service released them), and a load planned on one of them
+fails its worker's key and checksum check and is recomputed.
 
 While connected and idle, the same thread pings the service every third
 of the lease's time so that the session's leases hold.

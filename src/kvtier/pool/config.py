@@ -703,7 +703,8 @@ def _resolve(files: list[tuple[str, str, dict[str, _Setting]]], env: Mapping[str
     high = values.get("evict_threshold_high", PoolConfig.evict_threshold_high)
     low = values.get("evict_threshold_low", PoolConfig.evict_threshold_low)
     if low >= high:  # type: ignore[operator]
-        key = "ock.mmc.evict_threshold_low" if "ock.mmc.evict_threshold_low" in chosen else "ock.mmc.evict_threshold_high"
+        key = "ock.mmc.evict_threshold_low" if "ock.mmc.evict_threshold_low" in chosen \
+            else "ock.mmc.evict_threshold_high"
         raise ConfigError(key, chosen[key].value,
                           f"ock.mmc.evict_threshold_low ({low}) must be below ock.mmc.evict_threshold_high ({high})",
                           chosen[key].source)
