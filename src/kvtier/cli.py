@@ -289,8 +289,6 @@ def _serve(args: argparse.Namespace) -> int:
     from kvtier.tools.serve import serve
 
     extra = list(args.vllm_args)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
     return serve(args.model, args.instances, args.log_dir, args.config_dir, extra, first_port=args.port,
                  host=args.host)
 
@@ -316,6 +314,13 @@ def _true_false(text: str) -> bool:
         return _TRUE_FALSE[text.strip().lower()]
     except KeyError:
         raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}") from None
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 for free ports."""
+    if not (text.isascii() and text.isdigit()) or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 for free ports, else 1 to 65535)")
+    return int(text)
 
 
 def _at_least(low: int):
@@ -492,16 +497,18 @@ def parser() -> argparse.ArgumentParser:
     meta_parser(lo)
     lo.set_defaults(func=_meta, role="local")
 
-    sv = sub.add_parser("serve", help="start the meta service and N vLLM instances wired to it; stop on Ctrl-C")
+    sv = sub.add_parser("serve", help="start the meta service and N vLLM instances wired to it; stop on Ctrl-C",
+                        allow_abbrev=False,  # vLLM's --config is not kvtier's --config-dir
+                        epilog="Arguments kvtier serve does not know go to every vLLM instance, in their order "
+                               "(after -- or among serve's own).")
     sv.add_argument("--model", required=True, help="what vLLM serves (a path or a model id)")
     sv.add_argument("--instances", type=_at_least(1), default=1)
     sv.add_argument("--config-dir", default=None,
                     help="folder with mmc-meta.conf and mmc-local.conf (default: $MMC_*_CONFIG_PATH, "
                          "else loopback defaults)")
     sv.add_argument("--log-dir", default="kvtier-logs", help="logs and the record of process ids")
-    sv.add_argument("--port", type=int, default=0, help="first instance's port (default: free ports)")
+    sv.add_argument("--port", type=_port, default=0, help="first instance's port (default: free ports)")
     sv.add_argument("--host", default="127.0.0.1", help="address the instances bind")
-    sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: arguments for every vLLM instance")
     sv.set_defaults(func=_serve)
 
     so = sub.add_parser("stop", help="stop what kvtier serve started (by its recorded process ids)")
@@ -526,12 +533,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments. ``kvtier serve`` hands what it does not
+    know to vLLM, in order (``vllm_args``; a first ``--`` is dropped); any
+    other command refuses it."""
+    p = parser()
+    args, unknown = p.parse_known_args(argv)
+    if getattr(args, "func", None) is _serve:
+        if "--" in unknown:
+            unknown.remove("--")
+        args.vllm_args = unknown
+    elif unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.func(args)
     except KvtierError as err:
-        print(f"kvtier: {err}", file=sys.stderr)
+        text = str(err)  # a ConfigError says "kvtier config error: ..." already
+        print(text if text.startswith("kvtier") else f"kvtier: {text}", file=sys.stderr)
         return 2
 
 

@@ -103,8 +103,9 @@ def parse_enum(enum_cls: type[enum.Enum]) -> Callable[[str, object, str], enum.E
 
 def parse_int_range(lo: int, hi: int) -> Callable[[str, object, str], int]:
     def parse(key: str, value: object, source: str = "") -> int:
-        try:
-            n = int(str(value).strip()) if not isinstance(value, bool) else None
+        text = str(value).strip()
+        try:  # ASCII digits only: int() also takes other scripts' digits ('８')
+            n = int(text) if not isinstance(value, bool) and text.isascii() else None
         except ValueError:
             n = None
         if n is None or not lo <= n <= hi:

@@ -277,8 +277,10 @@ BAD: list[tuple[str, str, str]] = [
     ("ock.mmc.rewarm.dram_watermark", "101", "from 1 to 100"),
     ("ock.mmc.local_service.world_size", "0", "from 1 to 1024"),
     ("ock.mmc.local_service.world_size", "1025", "from 1 to 1024"),
-    ("ock.mmc.local_service.dram.size", "0", "positive"),
-    ("ock.mmc.local_service.dram.size", "2TB", "1TB"),
+    ("ock.mmc.local_service.world_size", "８", "from 1 to 1024"),  # a full-width digit
+    ("ock.mmc.local_service.dram.size", "0", "positive; a size above 0 and at most 1TB per device"),
+    ("ock.mmc.local_service.dram.size", "2TB", "a size above 0 and at most 1TB per device"),
+    ("ock.mmc.local_service.dram.size", "20PB", "at most 1TB per device"),
     ("ock.mmc.local_service.dram.size", "20XB", "size"),
     ("ock.mmc.local_service.protocol", "udp", "host_shm or host_tcp"),
     ("ock.mmc.meta_service.lru_shard_count", "12", "power of two"),
@@ -345,7 +347,7 @@ CHECKED = sorted(k for k, spec in KEYS.items() if spec.parse is not accept_any) 
 @pytest.mark.parametrize("key", CHECKED)
 def test_fuzzed_values_give_one_clear_error_or_a_config(tmp_path: Path, key: str) -> None:
     rng = random.Random(key)
-    alphabet = "0123456789 .:/-_abcxyzGBMKT%#=\t[]"
+    alphabet = "0123456789 .:/-_abcxyzGBMKT%#=\t[]８é"
     for _ in range(25):
         value = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24))).strip()
         extra = "".join(line + "\n" for line in SSD_ON.splitlines() if not line.startswith(key + " ")) \

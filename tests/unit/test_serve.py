@@ -36,6 +36,19 @@ def test_stop_signals_the_recorded_supervisor(tmp_path: Path) -> None:
     assert sup.wait(10) == 7  # it got SIGTERM, the clean stop
 
 
+def test_a_supervisor_that_does_not_stop_is_killed_after_its_children_are_stopped(tmp_path: Path) -> None:
+    hung = subprocess.Popen([sys.executable, "-c", _WAITER.replace("sys.exit(7)", "None")], start_new_session=True,
+                            stdout=subprocess.PIPE, text=True)  # takes SIGTERM and goes on
+    assert hung.stdout is not None and hung.stdout.readline().strip() == "ready"
+    child = waiter()
+    record(tmp_path, [("supervisor", hung.pid, process_start_time(hung.pid)),
+                      ("meta", child.pid, process_start_time(child.pid))])
+    assert stop(str(tmp_path), timeout_s=1) == 0
+    assert child.wait(10) == 7  # stopped in order
+    assert hung.wait(10) == -9
+    assert not (tmp_path / STATE_FILE).exists()
+
+
 def test_an_exited_process_not_yet_reaped_counts_as_gone() -> None:
     # kvtier stop waits for the supervisor to be gone; one whose parent has
     # not reaped it yet (a zombie) has stopped.
@@ -122,9 +135,40 @@ def test_vllm_arguments_that_replace_serves_own_are_refused(arg: str) -> None:
     instance would listen where serve does not look, or lose the connector."""
     from kvtier.tools.serve import check_vllm_args
 
-    with pytest.raises(ServerError, match="after --"):
+    with pytest.raises(ServerError, match=f"vLLM argument '{arg}': "):
         check_vllm_args(["--max-model-len", "64", arg, "x"])
     check_vllm_args(["--max-model-len", "64", "--portable", "--hostname-x"])  # other flags pass
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "M", "--instances", "2", "--max-model-len", "512", "--enforce-eager"],
+    ["--model", "M", "--max-model-len", "512", "--instances", "2", "--enforce-eager"],
+    ["--max-model-len", "512", "--model", "M", "--instances", "2", "--", "--enforce-eager"],
+    ["--model", "M", "--instances", "2", "--", "--max-model-len", "512", "--enforce-eager"],
+], ids=["after", "between", "before-and-after-dashes", "after-dashes"])
+def test_serve_passes_what_it_does_not_know_to_vllm_in_order(argv: list[str]) -> None:
+    # The issue's form: kvtier serve --model M --instances 2 [vLLM args...],
+    # with or without the "--".
+    from kvtier.cli import parse
+
+    args = parse(["serve", *argv])
+    assert (args.model, args.instances) == ("M", 2)
+    assert args.vllm_args == ["--max-model-len", "512", "--enforce-eager"]
+
+
+def test_serve_keeps_vllms_config_flag_apart_from_its_own_and_checks_its_port(capsys) -> None:
+    from kvtier.cli import parse
+
+    args = parse(["serve", "--model", "M", "--config", "vllm.yaml"])  # not an abbreviation of --config-dir
+    assert args.config_dir is None and args.vllm_args == ["--config", "vllm.yaml"]
+    for port in ("-5", "65536", "８０"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--model", "M", "--port", port])
+        assert f"argument --port: '{port}' is not a port" in capsys.readouterr().err
+    assert parse(["serve", "--model", "M", "--port", "8100"]).port == 8100
+    with pytest.raises(SystemExit):
+        parse(["size", "--max-model-len", "5"])  # other commands refuse what they do not know
+    assert "unrecognized arguments: --max-model-len 5" in capsys.readouterr().err
 
 
 def test_a_second_serve_on_a_folder_in_use_is_refused(tmp_path: Path) -> None:
@@ -191,3 +235,20 @@ def test_an_instance_url_reaches_the_address_it_binds() -> None:
 
     assert [client_host(h) for h in ("127.0.0.1", "0.0.0.0", "10.0.0.5", "::", "fd00::5")] == \
         ["127.0.0.1", "127.0.0.1", "10.0.0.5", "[::1]", "[fd00::5]"]
+
+
+def test_a_meta_service_that_fails_to_start_leaves_no_folder_behind(tmp_path: Path, monkeypatch) -> None:
+    # The bad file makes kvtier meta exit 2 at once; its ready file's
+    # temporary folder goes all the same.
+    import tempfile
+
+    from kvtier.tools.meta import MetaProcess
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    conf = tmp_path / "mmc-local.conf"
+    conf.write_text("ock.mmc.local_service.world_size = 0\n")
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log")
+    with pytest.raises(ServerError, match="exited with 2") as err:
+        meta.start()
+    assert "ock.mmc.local_service.world_size" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.log", "mmc-local.conf"]

@@ -123,10 +123,13 @@ def _parse_protocol(key: str, value: object, source: str = "") -> Protocol:
 
 
 def _parse_dram_size(key: str, value: object, source: str = "") -> int:
-    size = parse_size(key, value, source)
+    try:
+        size = parse_size(key, value, source)
+    except ConfigError as err:  # the range with the reason: above 0, at most 1TB
+        raise ConfigError(key, value, f"{err.reason}; a size above 0 and at most 1TB per device", source) from None
     size = -(-size // DRAM_ALIGN) * DRAM_ALIGN  # up to 2 MiB, as MemCache does
     if size > MAX_DRAM_PER_DEVICE:
-        raise ConfigError(key, value, "at most 1TB per device", source)
+        raise ConfigError(key, value, "a size above 0 and at most 1TB per device", source)
     return size
 
 

@@ -10,6 +10,7 @@ SIGTERM (then SIGKILL) on exit. :meth:`MetaProcess.kill` is ``kill -9``.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,22 +56,23 @@ class MetaProcess:
         self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "kvtier.meta", "--ready-file", str(ready),
                                       *self.args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if stop is not None and stop.is_set():
-                self.stop()
-                raise ServerError("interrupted while the meta service started")
-            if self.proc.poll() is not None:
-                raise ServerError(f"kvtier meta exited with {self.proc.returncode} during start-up; "
-                                  f"log {self.log_path}:\n{self.log_tail()}")
-            if ready.exists() and len(ready.read_text().splitlines()) == 2:
-                self.address, self.metrics_url = ready.read_text().splitlines()
-                ready.unlink()
-                ready.parent.rmdir()
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise ServerError(f"kvtier meta not ready after {self.startup_timeout_s}s; log {self.log_path}")
+        try:
+            deadline = time.monotonic() + self.startup_timeout_s
+            while time.monotonic() < deadline:
+                if stop is not None and stop.is_set():
+                    self.stop()
+                    raise ServerError("interrupted while the meta service started")
+                if self.proc.poll() is not None:
+                    raise ServerError(f"kvtier meta exited with {self.proc.returncode} during start-up; "
+                                      f"log {self.log_path}:\n{self.log_tail()}")
+                if ready.exists() and len(ready.read_text().splitlines()) == 2:
+                    self.address, self.metrics_url = ready.read_text().splitlines()
+                    return self
+                time.sleep(0.1)
+            self.stop()
+            raise ServerError(f"kvtier meta not ready after {self.startup_timeout_s}s; log {self.log_path}")
+        finally:  # the ready file's folder goes, whatever the start came to
+            shutil.rmtree(ready.parent, ignore_errors=True)
 
     def health(self) -> dict:
         return httpx.get(self.metrics_url + "/health", timeout=5).json()

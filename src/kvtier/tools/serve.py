@@ -88,7 +88,7 @@ def check_vllm_args(args: list[str]) -> None:
         for flag, instead in OWN_VLLM_FLAGS.items():
             if name == flag or name.startswith(flag + "."):
                 use = f"use kvtier serve's {instead}" if instead.startswith("--") else instead
-                raise ServerError(f"vLLM argument {arg!r} after --: {use}")
+                raise ServerError(f"vLLM argument {arg!r}: {use}")
 
 
 def client_host(host: str) -> str:
@@ -328,6 +328,11 @@ def stop(log_dir: str, timeout_s: float = 120.0) -> int:
     signal_pids([p for leader in leaders for p in session_pids(leader)], signal.SIGKILL)
     poll_until(lambda: not any(session_pids(pid) for pid in leaders), 5.0)
     remove_files(files)
+    if sup and process_start_time(sup[0]["pid"]) == sup[0]["start"]:
+        # It outlived its children's stop: hung. Nothing of its is left to stop in order.
+        signal_pids([sup[0]["pid"]], signal.SIGKILL)
+        print(f"kvtier stop: the supervisor (pid {sup[0]['pid']}) did not stop within {timeout_s:g} s; killed",
+              file=sys.stderr)
     path.unlink(missing_ok=True)
     print("stopped")
     return 0
