@@ -14,6 +14,10 @@ nothing here changes the pool.
   ``{"keys": [...]}``), ``/get_all_segments``, ``/api/v1/capacity/usage``:
   JSON in the shape MemCache's own endpoints answer. Keys are the pool's
   16-byte block keys in hex, as ``kvtier stats`` and the logs show them.
+
+The pool is made when the first instance connects (its slots are cut to
+that instance's block size): until then there are no segments, no
+capacity figures and no blocks to query.
 """
 
 from __future__ import annotations

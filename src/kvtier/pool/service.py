@@ -485,12 +485,16 @@ class MetaService:
 
     def _lease_loop(self) -> None:
         ttl = self.opts.lease_ttl_ms / 1000
-        while not self._stop.wait(min(1.0, ttl / 4)):
+        every = min(1.0, ttl / 4)
+        while not self._stop.wait(every):
             try:
                 now = time.monotonic()
                 with self._lock:
                     store = self.store
-                    late = [s for s in self._sessions.values() if not s.ended and now - s.last_seen > ttl]
+                    # Silent for over ttl - every: ended by the time it has
+                    # been silent for ttl (the next pass comes within
+                    # ``every``). A live client pings every ttl / 3.
+                    late = [s for s in self._sessions.values() if not s.ended and now - s.last_seen > ttl - every]
                 # Silent sessions first: their pins go with them (not counted
                 # as expired pins below).
                 for s in late:
