@@ -619,6 +619,59 @@ def test_a_hello_that_arrives_while_the_service_stops_makes_no_pool(tmp_path: Pa
         s.close()
 
 
+@pytest.mark.parametrize("stop_meanwhile", [False, True], ids=["made", "stopped-while-made"])
+def test_health_and_leases_answer_while_the_pool_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          stop_meanwhile: bool) -> None:
+    # Making the pool can take long (a large arena, an SSD index to
+    # recover, an old arena's blocks to check): the service's other
+    # threads are not held up meanwhile; a stop meanwhile makes no pool.
+    from kvtier.pool import service as service_module
+
+    making, go = threading.Event(), threading.Event()
+    real = service_module.open_store
+
+    def slow_open_store(*args: object, **kw: object):
+        making.set()
+        assert go.wait(30)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(service_module, "open_store", slow_open_store)
+    svc = start(tmp_path)
+    h = PoolHttp(svc, "127.0.0.1", 0)
+    h.start()
+    first: list[object] = []
+    t = threading.Thread(target=lambda: first.append(_try_client(svc)))
+    try:
+        t.start()
+        assert making.wait(10)
+        health = httpx.get(h.url + "/health", timeout=5).json()
+        assert health["pool"] is False and health["clients"] == []
+        assert "kvtier_pool_clients 0.0" in httpx.get(h.url + "/metrics", timeout=5).text
+        if stop_meanwhile:
+            threading.Thread(target=svc.stop, daemon=True).start()
+            assert poll_until(svc._stop.is_set, 10)
+        go.set()
+        t.join(30)
+        if stop_meanwhile:
+            assert isinstance(first[0], PoolRefused) and first[0].code == "stopping"
+            assert poll_until(lambda: list((tmp_path / "shm").iterdir()) == [], 10)  # nothing left behind
+            assert svc.store is None
+        else:
+            assert isinstance(first[0], PoolPlacement) and first[0].connected and svc.store is not None
+            first[0].shutdown()
+    finally:
+        go.set()
+        h.stop()
+        svc.stop()
+
+
+def _try_client(svc: MetaService) -> object:
+    try:
+        return PoolPlacement(svc.address, ranks=1, rank_bytes=RANK_BYTES, name="first", timeout_s=30)
+    except PoolRefused as err:
+        return err
+
+
 # --- the HTTP side (metrics, health, queries) -------------------------------------
 
 

@@ -119,6 +119,7 @@ class MetaService:
         self._adoptable: DramTier | None = None  # a dead service's arena, owned now, not yet in use
         self.geometry: tuple[int, int] | None = None  # (ranks, rank_bytes)
         self._lock = threading.Lock()
+        self._making = threading.Lock()  # held while the pool is made (_pool_for)
         self._sessions: dict[int, Session] = {}
         self._next_session = 1
         self._sock: socket.socket | None = None
@@ -244,52 +245,74 @@ class MetaService:
     # --- the pool ---------------------------------------------------------
 
     def _pool_for(self, ranks: int, rank_bytes: int) -> TieredStore:
-        with self._lock:
-            if self._stop.is_set():  # stop() may have closed the store already: none is made after it
+        # One pool is made at a time, outside self._lock: making it (the
+        # arena, the SSD index's recovery, checking an old arena's blocks)
+        # may take long, and /health, the metrics and the lease loop take
+        # self._lock meanwhile.
+        with self._making:
+            with self._lock:
+                if self._stop.is_set():  # stop() may have closed the store already: none is made after it
+                    raise _Refused("stopping", "the meta service is stopping")
+                store = self.store
+                if store is None:
+                    old, self._adoptable = self._adoptable, None
+            if store is None:
+                store, page = self._make_pool(ranks, rank_bytes, old)
+                with self._lock:
+                    if not self._stop.is_set():
+                        self.store, self._stats_page, self.geometry = store, page, (ranks, rank_bytes)
+                        return store
+                close_store(store)  # stop() came while it was made
+                if page is not None:
+                    page.close()
                 raise _Refused("stopping", "the meta service is stopping")
-            if self.store is None:
-                arena = self._arena_stem + secrets.token_hex(4)
-                fingerprint = xxhash.xxh3_128_digest(f"kvtier-pool-v1;ranks={ranks};rank_bytes={rank_bytes}".encode())
-                old, self._adoptable = self._adoptable, None
-                adopt = old is not None and (old.ranks, old.rank_bytes) == (ranks, rank_bytes)
-                if old is not None and not adopt:
-                    log.info("kvtier meta: the old arena holds another geometry; starting cold")
-                    old.close()  # owner: removes it
-                self.store = open_store(self.opts.store, arena, rank_bytes, ranks, fingerprint, reaper=False,
-                                        tier=old if adopt else None, cluster=self.opts.cluster)
-                self.geometry = (ranks, rank_bytes)
-                try:
-                    self._stats_page = StatsPage.create(self._stats_stem + secrets.token_hex(4))
-                    self._stats_page.write(self.store.counters())
-                except OSError as err:  # instances ask for the counters instead
-                    log.warning("kvtier meta: no counters page in %s (%s); instances ask for counters",
-                                self.opts.store.shm_dir, err)
-                if adopt:
-                    try:
-                        tier = self.store.tier
-                        blocks = tier.sealed_blocks()
-                        n = self.store.adopt_dram(blocks)
-                        # Slots the dead service's writers were filling stay out of
-                        # use for a while: a late write must not land in a new block.
-                        taken = {slot for _, slot in blocks}
-                        held = self.store.hold_slots([x for x in tier.written_slots() if x not in taken],
-                                                     time.monotonic() + self._grace_s)
-                        log.info("kvtier meta: %d blocks adopted from the old arena, %d slots held for %.0f s",
-                                 n, held, self._grace_s)
-                    except Exception:  # noqa: BLE001 - adoption is an optimisation: start cold instead
-                        log.exception("kvtier meta: adopting the old arena failed part way")
-                t, ssd = self.store.tier, self.store.ssd
-                log.info("kvtier meta: DRAM pool %s, %d slots of %d bytes (%.2f GiB)", t.path, t.num_slots,
-                         t.slot_stride, t.size_bytes / (1 << 30))
-                if ssd is not None:
-                    log.info("kvtier meta: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths),
-                             ssd.num_slots, self.store.counters()["ssd_slots_used"])
-            elif self.geometry != (ranks, rank_bytes):
+            if self.geometry != (ranks, rank_bytes):
                 have_r, have_b = self.geometry  # type: ignore[misc]
                 raise _Refused("geometry", f"this pool holds blocks of {have_r} rank parts of {have_b} bytes; "
                                            f"the instance writes {ranks} of {rank_bytes} (another model or "
                                            "parallel layout): give it a meta service of its own")
-            return self.store
+            return store
+
+    def _make_pool(self, ranks: int, rank_bytes: int, old: DramTier | None) -> tuple[TieredStore, StatsPage | None]:
+        """The pool for the first instance's geometry, adopting ``old`` (an
+        arena a dead service left) when it has the same one; and its
+        counters page (None if it could not be made)."""
+        arena = self._arena_stem + secrets.token_hex(4)
+        fingerprint = xxhash.xxh3_128_digest(f"kvtier-pool-v1;ranks={ranks};rank_bytes={rank_bytes}".encode())
+        adopt = old is not None and (old.ranks, old.rank_bytes) == (ranks, rank_bytes)
+        if old is not None and not adopt:
+            log.info("kvtier meta: the old arena holds another geometry; starting cold")
+            old.close()  # owner: removes it
+        store = open_store(self.opts.store, arena, rank_bytes, ranks, fingerprint, reaper=False,
+                           tier=old if adopt else None, cluster=self.opts.cluster)
+        page = None
+        try:
+            page = StatsPage.create(self._stats_stem + secrets.token_hex(4))
+            page.write(store.counters())
+        except OSError as err:  # instances ask for the counters instead
+            log.warning("kvtier meta: no counters page in %s (%s); instances ask for counters",
+                        self.opts.store.shm_dir, err)
+        if adopt:
+            try:
+                tier = store.tier
+                blocks = tier.sealed_blocks()
+                n = store.adopt_dram(blocks)
+                # Slots the dead service's writers were filling stay out of
+                # use for a while: a late write must not land in a new block.
+                taken = {slot for _, slot in blocks}
+                held = store.hold_slots([x for x in tier.written_slots() if x not in taken],
+                                        time.monotonic() + self._grace_s)
+                log.info("kvtier meta: %d blocks adopted from the old arena, %d slots held for %.0f s",
+                         n, held, self._grace_s)
+            except Exception:  # noqa: BLE001 - adoption is an optimisation: start cold instead
+                log.exception("kvtier meta: adopting the old arena failed part way")
+        t, ssd = store.tier, store.ssd
+        log.info("kvtier meta: DRAM pool %s, %d slots of %d bytes (%.2f GiB)", t.path, t.num_slots,
+                 t.slot_stride, t.size_bytes / (1 << 30))
+        if ssd is not None:
+            log.info("kvtier meta: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths),
+                     ssd.num_slots, store.counters()["ssd_slots_used"])
+        return store, page
 
     # --- connections ------------------------------------------------------
 
