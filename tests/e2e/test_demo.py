@@ -40,6 +40,10 @@ def test_demo_shows_kvtier_hits_and_stops_its_server(tiny_model: str, tmp_path) 
     assert r3["h1"] < 0.5 and r3["h2"] > 0.8
     assert r3["load_errors"] == 0 and r3["loaded_blocks"] * 64 == r3["external_tokens"] > 0
     assert r3["by_source"].get("host", 0) == r3["external_tokens"]
+    # The TTFT table says where each kind's KV came from, as measured.
+    kv_from = summary["kv_from"]
+    assert kv_from["other instance"] == f"blocks A saved: {r3['by_source']['host'] / 3:.0f} tok/req from host"
+    assert kv_from["kvtier hit"] == f"A's own blocks: {r2['by_source']['host'] / 3:.0f} tok/req from host"
     ports = [int(p) for p in re.findall(r"instance [AB] ready at http://127\.0\.0\.1:(\d+)", text)]
     meta_port = int(re.search(r"meta service \(the node's pool\) at tcp://127\.0\.0\.1:(\d+)", text).group(1))
     assert len(ports) == 2

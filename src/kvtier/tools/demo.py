@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvtier.tools.client import RequestResult, hit_rates, scrape, stream_chat
+from kvtier.tools.client import HitRates, RequestResult, hit_rates, scrape, stream_chat
 from kvtier.tools.corpus import QUESTIONS, documents
 from kvtier.tools.meta import MetaProcess
 from kvtier.tools.model import REAL_MODELS, build_model
@@ -197,10 +197,12 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
     table.add_column("cached tokens", justify="right")
     table.add_column("vs cold", justify="right")
     table.add_column("KV from")
-    source = {"cold": "computed", "device hit": "A's device cache", "kvtier hit": "pool DRAM (A's own blocks)",
-              "other instance": "pool DRAM (blocks A saved)"}
+    source = {"cold": "computed", "device hit": "A's device cache",
+              "kvtier hit": "A's own blocks: " + _measured(hit_rates(mid, after), len(results["kvtier hit"])),
+              "other instance": "blocks A saved: " + _measured(hit_rates(scrapes["b0"], scrapes["b1"]),
+                                                               len(results["other instance"])) if pooled else ""}
     cold = statistics.mean(r.ttft_s for r in results["cold"])
-    summary: dict = {"ttft_ms": {}}
+    summary: dict = {"ttft_ms": {}, "kv_from": {kind: source[kind] for kind in results}}
     for kind, rs in results.items():
         mean = statistics.mean(r.ttft_s for r in rs)
         summary["ttft_ms"][kind] = mean * 1000
@@ -233,6 +235,14 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
     console.print(f"done in {time.monotonic() - t_start:.0f} s; {'instances and meta service' if pooled else 'server'} "
                   "stopped")
     return summary
+
+
+def _measured(h: HitRates, requests: int) -> str:
+    """Where a round's cached prompt tokens came from, per request, as
+    vLLM's counters say (``host``: the DRAM tier, ``disk``: the SSD)."""
+    parts = [f"{tokens / max(requests, 1):.0f} tok/req from {src}" for src, tokens in sorted(h.by_source.items())
+             if tokens and src in ("host", "disk")]
+    return ", ".join(parts) or "nothing from the pool"
 
 
 def print_answers(console: Console, sources: list[str], question: str,
