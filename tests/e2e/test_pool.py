@@ -137,12 +137,24 @@ def node(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         n.meta.stop()
 
 
+def pool_hits(node: Node) -> dict[tuple[str, str], float]:
+    """The service's kvtier_pool_hit_keys_total: (instance, tier) -> keys found."""
+    text = httpx.get(node.meta.metrics_url + "/metrics", timeout=5).text
+    out = {}
+    for key, value in parse_metrics(text).items():
+        if key.startswith("kvtier_pool_hit_keys_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
+            out[(labels["instance"], labels["tier"])] = value
+    return out
+
+
 def test_a_prefix_prefilled_on_a_is_a_dram_hit_on_b(node: Node) -> None:
     a, b = node.servers["a"], node.servers["b"]
     assert len(node.wait_clients(2)["clients"]) == 2
     prompt = tokens(31, 20 * BLOCK + 5)
     complete(a, prompt)
     device_hit = complete(a, prompt)
+    pool_before = pool_hits(node)
     before = b.metrics()
     on_b = complete(b, prompt)
     after = b.metrics()
@@ -150,10 +162,14 @@ def test_a_prefix_prefilled_on_a_is_a_dram_hit_on_b(node: Node) -> None:
     assert delta(after, before, HOST) == 20 * BLOCK
     assert_loads_succeeded(before, after, 20 * BLOCK)
     assert on_b["text"] == device_hit["text"]
-    # The service counts the hit for instance B.
-    pool = parse_metrics(httpx.get(node.meta.metrics_url + "/metrics", timeout=5).text)
-    dram_hits = [v for k, v in pool.items() if k.startswith("kvtier_pool_hit_keys_total{") and 'tier="dram"' in k]
-    assert len(dram_hits) == 2 and max(dram_hits) >= 20  # per instance; B found the 20 blocks
+    # The service counts the hit for one instance (B's), in DRAM: the 20
+    # blocks once a lookup, and nothing for A.
+    pool_after = pool_hits(node)
+    moved = {k: pool_after[k] - pool_before.get(k, 0) for k in pool_after if pool_after[k] != pool_before.get(k, 0)}
+    assert len(moved) == 1
+    (instance, tier), n = next(iter(moved.items()))
+    assert tier == "dram" and n > 0 and n % 20 == 0
+    assert pool_after.get((instance, "ssd"), 0) == pool_before.get((instance, "ssd"), 0)
 
 
 def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node) -> None:
