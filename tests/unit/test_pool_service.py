@@ -361,8 +361,10 @@ def test_bad_frames_before_the_hello_are_refused_and_the_service_keeps_serving(s
     (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "again", 1, 1, RANK_BYTES)), "a second Hello"),
     (_frame_of(["Pin", 7, "two", b"k" * 16]), "`Pin.step`"),
     (_frame_of(["CompleteStep", 7, 2]), "CompleteStep: Expected `array`"),
+    (struct.pack("<I", 3004) + b"\x92\xa3Pin" + b"\x91" * 3000, "Expected `array`"),
 ] + [(f, "") for f in _random_frames(10)],
-    ids=["truncated", "oversized", "second-hello", "wrong-type", "too-short"] + [f"random-{i}" for i in range(10)])
+    ids=["truncated", "oversized", "second-hello", "wrong-type", "too-short", "deeply-nested"]
+    + [f"random-{i}" for i in range(10)])
 def test_a_bad_frame_in_a_session_ends_that_session_alone_and_releases_what_it_held(service: MetaService,
                                                                                     frame: bytes, says: str) -> None:
     good = client(service)
@@ -489,6 +491,30 @@ def test_an_engine_the_service_cannot_take_yet_starts_and_joins_once_it_can(tmp_
         assert pool.reconnects == 1 and svc.store is not None
         assert [s.name for s in svc.sessions()] == [pool.name]
         pool.shutdown()
+    finally:
+        svc.stop()
+
+
+def test_a_configuration_that_makes_no_pool_stops_the_engine_start_with_its_reason(tmp_path: Path) -> None:
+    # Not a refusal of the moment: the service's arena cannot hold one
+    # block of this instance. Retrying would only fail again; the operator
+    # reads why at start-up.
+    from kvtier.config import parse_connector_config
+    from kvtier.connector.connector import build_pool_scheduler_side
+    from kvtier.errors import ConfigError
+    from tests.unit.vllm_configs import kv_cache_config, vllm_config
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    svc = start(tmp_path, store=KvtierConfig(dram_size_bytes=4096, shm_dir=str(shm)))
+    extra = {"backend": "pool", "meta_service_url": svc.address}
+    try:
+        cfg = parse_connector_config(extra, check_memory=False)
+        with pytest.raises(ConfigError) as info:
+            build_pool_scheduler_side(vllm_config(extra=extra, model_kw={"served_model_name": "m"}),
+                                      kv_cache_config(), cfg)
+        assert info.value.key == "meta_service_url" and "too small for one block" in str(info.value)
+        assert svc.store is None and list(shm.iterdir()) == []
     finally:
         svc.stop()
 

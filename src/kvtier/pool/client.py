@@ -68,8 +68,9 @@ class PoolRefused(Exception):
     @property
     def transient(self) -> bool:
         """The service is up but cannot take a session now (it is stopping, or
-        could not make its pool): a later attempt may be taken, unlike a
-        wrong token, version or geometry."""
+        could not make its pool for a reason of the moment, such as its
+        folder gone): a later attempt may be taken, unlike a wrong token,
+        version, geometry or a configuration that makes no pool."""
         return self.code in ("stopping", "internal")
 
 
@@ -260,7 +261,11 @@ class PoolPlacement:
         while True:
             welcome = self._welcome
             period = (welcome.lease_ttl_ms / 3000) if welcome else 1.0
-            wait = period if self._sock is not None else self._retry_at - time.monotonic()
+            # Connected: wake when the session will have been idle a period
+            # (a call since the last wake moves that on), so that it is never
+            # silent much longer than ttl / 3.
+            wait = period - (time.monotonic() - self._last_call) if self._sock is not None \
+                else self._retry_at - time.monotonic()
             self._wake.wait(max(0.05, wait))
             self._wake.clear()
             if self._closed.is_set():

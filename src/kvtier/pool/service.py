@@ -106,13 +106,39 @@ class ServiceOptions:
     cluster: ClusterConfig | None = None  # the cluster tier under the pool (kvtier.cluster.*), or none
 
 
+def _stems(opts: ServiceOptions) -> tuple[str, str]:
+    """Where the service's arenas and counters pages go: shm_dir/prefix-TAG-*."""
+    tag = opts.name or xxhash.xxh64_hexdigest(opts.url.encode())[:12]
+    return (os.path.join(opts.store.shm_dir, f"{ARENA_PREFIX}{tag}-"),
+            os.path.join(opts.store.shm_dir, f"{STATS_PREFIX}{tag}-"))
+
+
+def leftover_bytes(opts: ServiceOptions) -> int:
+    """Memory held in shm_dir by files a service of these options left
+    (killed): a start removes them or adopts the arena in place, so what
+    they hold counts as free for the new pool."""
+    stems = _stems(opts)
+    shm = opts.store.shm_dir
+    total = 0
+    try:
+        names = os.listdir(shm)
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(shm, name)
+        if path.startswith(stems):
+            try:
+                total += os.stat(path).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
 class MetaService:
     def __init__(self, opts: ServiceOptions) -> None:
         self.opts = opts
         self._where = parse_url(opts.url)
-        tag = opts.name or xxhash.xxh64_hexdigest(opts.url.encode())[:12]
-        self._arena_stem = os.path.join(opts.store.shm_dir, f"{ARENA_PREFIX}{tag}-")
-        self._stats_stem = os.path.join(opts.store.shm_dir, f"{STATS_PREFIX}{tag}-")
+        self._arena_stem, self._stats_stem = _stems(opts)
         self._stats_page: StatsPage | None = None
         self._grace_s = (opts.slot_grace_ms if opts.slot_grace_ms is not None else 3 * opts.lease_ttl_ms) / 1000
         self.store: TieredStore | None = None
@@ -229,7 +255,9 @@ class MetaService:
             sessions = list(self._sessions.values())
         for s in sessions:
             self._end(s, "service stopping")
-        with self._lock:
+        # A pool being made is finished first, then closed (by _pool_for,
+        # which sees the stop): the process may exit right after this.
+        with self._making, self._lock:
             if self.store is not None:
                 close_store(self.store)
                 self.store = None
@@ -414,7 +442,11 @@ class MetaService:
             log.warning("kvtier meta: refused %s (%s): %s", msg.name, peer, err.message)
             _send(conn, wire.Error(0, err.code, err.message))
             return None
-        except (ConfigError, OSError) as err:  # the instance may try again: the service stays up
+        except ConfigError as err:  # this configuration makes no pool: said to the instance's operator
+            log.error("kvtier meta: cannot make the pool: %s", err)
+            _send(conn, wire.Error(0, "config", f"the pool could not be made: {err}"))
+            return None
+        except OSError as err:  # the instance tries again later: the service stays up
             log.error("kvtier meta: cannot make the pool: %s", err)
             _send(conn, wire.Error(0, "internal", f"the pool could not be made: {err}"))
             return None

@@ -169,7 +169,7 @@ class Ok(_Msg):
 
 class Error(_Msg):
     id: int  # 0 when the message had no readable id
-    code: str  # "version", "auth", "geometry", "bad-request", "internal", "expired"
+    code: str  # "version", "auth", "geometry", "bad-request", "config", "internal", "stopping", "expired"
     message: str
 
 
@@ -237,7 +237,7 @@ def _named(error: str, body: bytes) -> str:
     Only on the error path: the body is decoded again, untyped."""
     try:
         raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
+    except Exception:  # noqa: BLE001 - naming is a courtesy: nested too deep, anything, and msgspec's words stand
         return error
     cls = _BY_TAG.get(raw[0]) if isinstance(raw, list) and raw and isinstance(raw[0], str) else None
     if cls is None:
