@@ -490,6 +490,26 @@ def test_a_pool_the_host_cannot_hold_is_refused_naming_the_keys_it_comes_from(tm
     check_pool_fits(load_local(tmp_path, "ock.mmc.local_service.dram.size = 64MB\n"))  # fits: no error
 
 
+def test_what_a_killed_service_left_counts_as_free_for_its_restart(tmp_path: Path) -> None:
+    # The arena a killed service left still holds its memory until the
+    # restart adopts it in place or removes it: the check counts it as
+    # free, or a restart of a pool larger than half the memory is refused.
+    from kvtier.pool.service import ServiceOptions, _stems, leftover_bytes
+
+    cfg = load_local(tmp_path, "ock.mmc.local_service.dram.size = 1TB\n")
+    with pytest.raises(ConfigError):
+        check_pool_fits(cfg, leftover_bytes=0)
+    check_pool_fits(cfg, leftover_bytes=(1 << 40) - (64 << 20))  # 64 MiB more: fits
+    check_pool_fits(cfg, leftover_bytes=1 << 40)
+    opts = ServiceOptions(url="tcp://127.0.0.1:5000", store=KvtierConfig(shm_dir=str(tmp_path)))
+    assert leftover_bytes(opts) == 0
+    (tmp_path / "kvtier-pool-someoneelse-1").write_bytes(b"x" * (1 << 20))  # another service's: not counted
+    arena_stem, stats_stem = _stems(opts)
+    Path(arena_stem + "dead1").write_bytes(b"x" * (2 << 20))
+    Path(stats_stem + "dead1").write_bytes(b"x" * 4096)
+    assert (2 << 20) + 4096 <= leftover_bytes(opts) < (3 << 20)
+
+
 def test_kvtier_meta_refuses_a_pool_too_big_before_creating_anything(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -44,7 +44,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from kvtier.config import (
     HOST_RE,
@@ -509,13 +509,18 @@ class PoolConfig:
         )
 
 
-def check_pool_fits(cfg: PoolConfig) -> None:
+def check_pool_fits(cfg: PoolConfig, leftover_bytes: int = 0) -> None:
     """Refuse a node pool this host cannot hold (free memory in ``shm_dir``,
     huge pages there, a container's limit), before anything is created:
     the arena is allocated whole, and past the memory there is it would be
-    the OOM killer, not an error, that stops it. Names the keys it comes from."""
+    the OOM killer, not an error, that stops it. ``leftover_bytes``: what a
+    killed service's files hold there, which the start frees or reuses.
+    Names the keys it comes from."""
+    store = cfg.store_config()
+    if leftover_bytes >= store.dram_size_bytes:
+        return
     try:
-        check_dram_fits(cfg.store_config())
+        check_dram_fits(replace(store, dram_size_bytes=store.dram_size_bytes - leftover_bytes))
     except ConfigError as err:
         gib = 1 << 30
         raise ConfigError(

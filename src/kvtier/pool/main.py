@@ -46,12 +46,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 def run(args: argparse.Namespace) -> int:
     from kvtier.pool.config import DRAM_SIZE_KEY, LOCAL_ENV, check_pool_fits, load_pool_config
     from kvtier.pool.http import PoolHttp
-    from kvtier.pool.service import MetaService, ServiceOptions
+    from kvtier.pool.service import MetaService, ServiceOptions, leftover_bytes
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         cfg = load_pool_config(args.meta_config, args.local_config)
-        check_pool_fits(cfg)
     except ConfigError as err:
         log.error("%s", err)
         return 2
@@ -74,9 +73,14 @@ def run(args: argparse.Namespace) -> int:
         log.error("kvtier meta --role local needs kvtier.node_service_url in the local file: where this node's pool "
                   "listens (its local file's ock.mmc.meta_service_url names the master node)")
         return 2
-    svc = MetaService(ServiceOptions(url=cfg.listen_url if role == "local" else cfg.meta_url,
-                                     store=cfg.store_config(), lease_ttl_ms=cfg.lease_ttl_ms, token=cfg.token,
-                                     cluster=cluster))
+    opts = ServiceOptions(url=cfg.listen_url if role == "local" else cfg.meta_url, store=cfg.store_config(),
+                          lease_ttl_ms=cfg.lease_ttl_ms, token=cfg.token, cluster=cluster)
+    try:
+        check_pool_fits(cfg, leftover_bytes(opts))
+    except ConfigError as err:
+        log.error("%s", err)
+        return 2
+    svc = MetaService(opts)
     http: PoolHttp | None = None
     master = None
     try:
