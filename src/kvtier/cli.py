@@ -8,6 +8,7 @@ small test model, or a real one from a packaged GGUF file, on disk).
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 
@@ -510,6 +511,7 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_port, default=0, help="first instance's port (default: free ports)")
     sv.add_argument("--host", default="127.0.0.1", help="address the instances bind")
     sv.set_defaults(func=_serve)
+    assert set(SERVE_FLAGS) <= {o for a in sv._actions for o in a.option_strings}
 
     so = sub.add_parser("stop", help="stop what kvtier serve started (by its recorded process ids)")
     so.add_argument("--log-dir", default="kvtier-logs")
@@ -533,15 +535,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+SERVE_FLAGS = ("--model", "--instances", "--config-dir", "--log-dir", "--port", "--host")
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line's arguments. ``kvtier serve`` hands what it does not
     know to vLLM, in order (``vllm_args``; a first ``--`` is dropped); any
     other command refuses it."""
     p = parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, unknown = p.parse_known_args(argv)
     if getattr(args, "func", None) is _serve:
-        if "--" in unknown:
-            unknown.remove("--")
+        dashes = unknown.index("--") if "--" in unknown else len(unknown)
+        mixed, unknown = unknown[:dashes], unknown[:dashes] + unknown[dashes + 1:]
+        # What comes before "serve" is kvtier's, and a near miss of one of
+        # serve's own flags among them is a typo, not an argument for vLLM
+        # (after "--", everything is vLLM's).
+        at = argv.index("serve")
+        before = [a for a in mixed if a in argv[:at]]
+        if before:
+            p.error(f"unrecognized arguments: {' '.join(before)}")
+        for arg in mixed:
+            name = arg.split("=", 1)[0].replace("_", "-")
+            close = difflib.get_close_matches(name, SERVE_FLAGS, n=1, cutoff=0.9) if arg.startswith("--") else []
+            if close:
+                p.error(f"kvtier serve: {arg!r}: did you mean {close[0]}? (an argument for vLLM would go after --)")
         args.vllm_args = unknown
     elif unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -129,7 +129,8 @@ def test_worker_node_of_the_cluster_runs_the_local_role(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arg", ["--port", "--port=9000", "--host", "--model", "--kv-transfer-config",
-                                 "--kv-transfer-config.kv_connector"])
+                                 "--kv-transfer-config.kv_connector", "--kv_transfer_config", "--kv-transfer",
+                                 "--kv-tr", "--mod"])
 def test_vllm_arguments_that_replace_serves_own_are_refused(arg: str) -> None:
     """vLLM takes the last of a flag given twice (it only logs it): the
     instance would listen where serve does not look, or lose the connector."""
@@ -154,6 +155,23 @@ def test_serve_passes_what_it_does_not_know_to_vllm_in_order(argv: list[str]) ->
     args = parse(["serve", *argv])
     assert (args.model, args.instances) == ("M", 2)
     assert args.vllm_args == ["--max-model-len", "512", "--enforce-eager"]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--model", "M", "--instance", "2"], "'--instance': did you mean --instances?"),
+    (["--model", "M", "--log_dir", "logs"], "'--log_dir': did you mean --log-dir?"),
+])
+def test_a_near_miss_of_serves_own_flags_is_a_typo_not_a_vllm_argument(argv: list[str], says: str, capsys) -> None:
+    from kvtier.cli import parse
+
+    with pytest.raises(SystemExit):
+        parse(["serve", *argv])
+    assert says in capsys.readouterr().err
+    # After "--" it is vLLM's, whatever it looks like; before "serve", kvtier's.
+    assert parse(["serve", "--model", "M", "--", *argv[2:]]).vllm_args == argv[2:]
+    with pytest.raises(SystemExit):
+        parse(["--bogus", "serve", "--model", "M"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_serve_keeps_vllms_config_flag_apart_from_its_own_and_checks_its_port(capsys) -> None:

@@ -35,8 +35,8 @@ from kvtier.tools.server import (ServerError, free_port, log_tail, poll_until, r
                                  stop_group, vllm_shm_files)
 
 STATE_FILE = "serve.json"
-# vLLM flags serve sets itself; given again after --, vLLM would take the
-# last one (logging only "Found duplicate keys").
+# vLLM flags serve sets itself; given again, vLLM would take the last one
+# (logging only "Found duplicate keys").
 OWN_VLLM_FLAGS = {"--port": "--port", "--host": "--host", "--model": "--model",
                   "--kv-transfer-config": "(kvtier serve wires the connector itself)"}
 
@@ -84,9 +84,11 @@ def check_vllm_args(args: list[str]) -> None:
     """Refuse vLLM arguments that would replace what serve sets: one line
     naming serve's own flag."""
     for arg in args:
-        name = arg.split("=", 1)[0]
+        # vLLM reads --kv_transfer_config as --kv-transfer-config, and its
+        # parser takes a flag's abbreviation (--kv-transfer) for the flag.
+        name = arg.split("=", 1)[0].replace("_", "-")
         for flag, instead in OWN_VLLM_FLAGS.items():
-            if name == flag or name.startswith(flag + "."):
+            if name == flag or name.startswith(flag + ".") or (len(name) > 3 and flag.startswith(name)):
                 use = f"use kvtier serve's {instead}" if instead.startswith("--") else instead
                 raise ServerError(f"vLLM argument {arg!r}: {use}")
 
