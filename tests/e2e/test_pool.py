@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from kvtier.tools.meta import MetaProcess
-from kvtier.tools.server import VllmServer, free_port, parse_metrics, signal_pids
+from kvtier.tools.server import VllmServer, free_port, parse_metrics, poll_until, signal_pids
 from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta, server_options,
                                 tokens)
 
@@ -252,8 +252,12 @@ def freeze_while_saving(srv: VllmServer, node: Node, timeout_s: float = 120) -> 
         if node.meta.health()["slots"]["pending"]:
             pids = srv.pids()
             signal_pids(pids, signal.SIGSTOP)
-            time.sleep(0.5)  # what it sent before it stopped is handled by now
-            slots = node.meta.health()["slots"]
+            # What it sent before it stopped is handled once two looks a
+            # moment apart agree.
+            slots, prev = node.meta.health()["slots"], None
+            while slots != prev:
+                time.sleep(0.3)
+                prev, slots = slots, node.meta.health()["slots"]
             if slots["pending"]:
                 return slots
             signal_pids(pids, signal.SIGCONT)  # its step completed in between: again
@@ -284,9 +288,11 @@ def test_killed_instance_leaves_nothing_held_and_the_other_keeps_hitting(node: N
     b.stop()
     health = node.wait_clients(1)
     assert len(health["clients"]) == 1
-    # What B's session held when it was killed is what the service released.
-    ended = re.findall(r"session \d+ \(.*\) ended: .*; (\d+) pins released, (\d+) unwritten saves dropped",
-                       node.meta.log_text()[mark:])
+    # What B's session held when it was killed is what the service released
+    # (logged once the session is gone from /health).
+    pattern = r"session \d+ \(.*\) ended: .*; (\d+) pins released, (\d+) unwritten saves dropped"
+    assert poll_until(lambda: re.search(pattern, node.meta.log_text()[mark:]), 30)
+    ended = re.findall(pattern, node.meta.log_text()[mark:])
     assert ended == [(str(holding["pins"]), str(holding["pending"]))]
     slots = health["slots"]
     assert slots["pinned_entries"] == 0 and slots["unsettled_entries"] == 0

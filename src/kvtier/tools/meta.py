@@ -52,11 +52,11 @@ class MetaProcess:
         env = dict(os.environ)
         env.update(self.env_for_clients())
         env.update(self.env)
-        self._log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "kvtier.meta", "--ready-file", str(ready),
-                                      *self.args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
+            self._log = open(self.log_path, "a")
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "kvtier.meta", "--ready-file",
+                                          str(ready), *self.args],
+                                         stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             deadline = time.monotonic() + self.startup_timeout_s
             while time.monotonic() < deadline:
                 if stop is not None and stop.is_set():
