@@ -82,9 +82,11 @@ def run(args: argparse.Namespace) -> dict:
             return rng.sample(range(tier.num_slots), n), rng.sample(range(kv_blocks), n)
 
         def save_sealed(slot_ids: list[int], blocks: list[int], keys: list[bytes] = keys) -> None:
+            runs = written_runs(layers, layout, tier.rank_bytes)
+
             def seal(i: int) -> None:  # the worker's: the checksum of what the copy read
-                runs = written_runs(layers, layout, blocks[i], tier.rank_view(slot_ids[i], 0))
-                tier.seal(slot_ids[i], keys[i], 0, checksum_runs(runs, keys[i]))
+                part = tier.rank_view(slot_ids[i], 0).data_ptr()
+                tier.seal(slot_ids[i], keys[i], 0, checksum_runs(runs(blocks[i], part), keys[i]))
             gather_sealed(layers, layout, blocks, slots, slot_ids, seal)
 
         def save_then_seal(slot_ids: list[int], blocks: list[int]) -> None:

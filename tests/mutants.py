@@ -75,7 +75,7 @@ MUTANTS = [
            "                self._free.extend(slots)\n            return sum(len(x) for x in due)",
            "                pass\n            return sum(len(x) for x in due)"),
     Mutant("worker: a save sealed with the checksum of its slot", "src/kvtier/connector/worker.py",
-           "checksum_runs(written_runs(layers, layout, blocks[i], part), keys[i])", "checksum(part, keys[i])"),
+           "checksum_runs(runs(blocks[i], part.data_ptr()), keys[i])", "checksum(part, keys[i])"),
     Mutant("config: checksums off accepted on a shared pool", "src/kvtier/config.py",
            "if self.backend.shared and not self.verify_checksums:", "if False:"),
     Mutant("dram: unpublished blocks adopted after a restart", "src/kvtier/tier/dram.py",

@@ -403,8 +403,8 @@ def test_the_runs_a_save_meant_to_write_hash_as_the_slot_they_were_copied_into(m
     tier.rank_view(2, 0).fill_(0xA5)  # padding bytes that no save writes, hashed as they are
     key = b"r" * 16
     gather_sealed(layers, layout, [5], slots, [2], lambda i: None)
-    runs = written_runs(layers, layout, 5, tier.rank_view(2, 0))
-    assert sum(len(r) for r in runs) == tier.rank_bytes
+    runs = written_runs(layers, layout, tier.rank_bytes)(5, tier.rank_view(2, 0).data_ptr())
+    assert len(runs) == 6 and sum(len(r) for r in runs) == tier.rank_bytes  # 3 layers, 3 gaps
     assert b"".join(bytes(r) for r in runs) == tier.rank_view(2, 0).numpy().tobytes()
     assert checksum_runs(runs, key) == checksum(tier.rank_view(2, 0), key)
 
@@ -423,7 +423,7 @@ def test_a_late_writer_between_a_block_s_copy_and_its_seal_leaves_a_slot_that_fa
     def seal(i: int) -> None:
         part = tier.rank_view(1, 0)
         part.copy_(late)  # the late writer's copy lands here
-        tier.seal(1, key, 0, checksum_runs(written_runs(layers, layout, 3, part), key))
+        tier.seal(1, key, 0, checksum_runs(written_runs(layers, layout, tier.rank_bytes)(3, part.data_ptr()), key))
 
     gather_sealed(layers, layout, [3], slots, [1], seal)
     assert tier.is_sealed(1, key)

@@ -149,31 +149,40 @@ def gather_sealed(layers: Sequence[torch.Tensor], layout: KvLayout, block_ids: S
         seal(i)
 
 
-def written_runs(layers: Sequence[torch.Tensor], layout: KvLayout, block_id: int,
-                 rank_part: torch.Tensor) -> list[memoryview]:
-    """The bytes a save of block ``block_id`` means ``rank_part`` (a slot's
-    part for this rank, uint8) to hold, in their order there: each layer's
-    block read from vLLM's KV (block-major ``layers``, dense blocks on
-    CPU), and the slot's own bytes between and after them (alignment,
-    which no save writes).
+def written_runs(layers: Sequence[torch.Tensor], layout: KvLayout,
+                 rank_bytes: int) -> Callable[[int, int], list[ctypes.Array]]:
+    """``runs(block_id, part)``: the bytes a save of block ``block_id`` means
+    a slot's part for this rank (``rank_bytes`` long, at address ``part``)
+    to hold, in their order there: each layer's block read from vLLM's KV
+    (block-major ``layers``, dense blocks on CPU), and the part's own bytes
+    between and after them (alignment, which no save writes). Addresses
+    are worked out once, here, for a save's blocks: per block, the runs
+    cost a few ctypes views.
 
     A seal checksums these rather than the slot: a late writer (a worker of
     an ended session whose slot was given to another block meanwhile) whose
     copy lands between this block's copy and its seal then leaves a slot
     that fails its check, where a checksum read from the slot would have
-    sealed the late writer's bytes under this block's key. Valid until the
-    tensors are freed; for immediate use.
+    sealed the late writer's bytes under this block's key. The views are
+    valid while the tensors and the arena are; for immediate use.
     """
     nbytes, stride = layout.layer_block_bytes, layout.layer_stride
-    part, size = rank_part.data_ptr(), rank_part.numel()
     block = ctypes.c_ubyte * nbytes
-    runs = []
-    for j, bm in enumerate(layers):
-        runs.append(memoryview(block.from_address(bm.data_ptr() + block_id * bm.stride(0) * bm.element_size())))
+    bases = [(bm.data_ptr(), bm.stride(0) * bm.element_size()) for bm in layers]
+    gaps = []  # after layer j: (offset in the part, its ctypes type), or None
+    for j in range(len(layers)):
         start = j * stride + nbytes
-        gap = (stride * (j + 1) if j + 1 < len(layers) else size) - start
-        if gap > 0:
-            runs.append(memoryview((ctypes.c_ubyte * gap).from_address(part + start)))
+        gap = (stride * (j + 1) if j + 1 < len(layers) else rank_bytes) - start
+        gaps.append((start, ctypes.c_ubyte * gap) if gap > 0 else None)
+
+    def runs(block_id: int, part: int) -> list[ctypes.Array]:
+        out = []
+        for (base, step), gap in zip(bases, gaps):
+            out.append(block.from_address(base + block_id * step))
+            if gap is not None:
+                out.append(gap[1].from_address(part + gap[0]))
+        return out
+
     return runs
 
 

@@ -509,11 +509,12 @@ class WorkerSide:
         slots = [c.slot for c in plan.saves]
         tier, rank, keys = self._tier, self.rank, [c.key for c in plan.saves]
         layers, layout = self._layers, self.layout
+        runs = written_runs(layers, layout, tier.rank_bytes)
 
         def seal(i: int) -> None:
             # The checksum of what the copy read, not of the slot (written_runs says why).
             part = tier.rank_view(slots[i], rank)
-            tier.seal(slots[i], keys[i], rank, checksum_runs(written_runs(layers, layout, blocks[i], part), keys[i]))
+            tier.seal(slots[i], keys[i], rank, checksum_runs(runs(blocks[i], part.data_ptr()), keys[i]))
 
         try:
             if can_check_while_copying(layers, layout):

@@ -51,6 +51,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,9 +105,10 @@ def checksum(data: torch.Tensor, key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data.numpy()).cast("B"), seed=_seed(key))
 
 
-def checksum_runs(runs: Iterable[memoryview], key: bytes) -> int:
-    """:func:`checksum` of the bytes of ``runs`` one after the other (the
-    same digest as of one tensor holding them), without joining them."""
+def checksum_runs(runs: Iterable[Any], key: bytes) -> int:
+    """:func:`checksum` of the bytes of ``runs`` (buffers: memoryviews,
+    ctypes arrays) one after the other, the same digest as of one tensor
+    holding them, without joining them."""
     h = xxhash.xxh3_64(seed=_seed(key))
     for run in runs:
         h.update(run)
