@@ -4,7 +4,8 @@ The service is started from MemCache-style config files, as the seeds do
 (``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``), and each instance's
 transfer config names only the connector and ``"backend": "memcache"``.
 Tests run in file order and share the processes: a prefix from A is a hit
-on B; the service is killed with -9 while both instances load and comes
+on B, from DRAM, then from the SSD once the pool has moved it there; the
+service is killed with -9 while both instances load and comes
 back with its SSD tier; then instance B is killed with -9 while it saves,
 and the service gives back everything B held.
 """
@@ -170,6 +171,43 @@ def test_a_prefix_prefilled_on_a_is_a_dram_hit_on_b(node: Node) -> None:
     (instance, tier), n = next(iter(moved.items()))
     assert tier == "dram" and n > 0 and n % 20 == 0
     assert pool_after.get((instance, "ssd"), 0) == pool_before.get((instance, "ssd"), 0)
+
+
+def pool_moves(node: Node) -> dict[str, float]:
+    """The service's block counts by tier and its demotions and promotions."""
+    text = httpx.get(node.meta.metrics_url + "/metrics", timeout=5).text
+    return {k: v for k, v in parse_metrics(text).items() if k.startswith("kvtier_pool_blocks{")
+            or k in ('kvtier_pool_events_total{event="blocks_demoted"}',
+                     'kvtier_pool_events_total{event="blocks_promoted"}')}
+
+
+def test_a_prefix_a_saved_and_the_pool_moved_to_ssd_is_a_disk_hit_on_b(node: Node) -> None:
+    # The pool holds about 45 blocks in DRAM. A saves a 20-block prefix,
+    # then 60 blocks of other prompts: the prefix, among the least recently
+    # used, is written to SSD and leaves DRAM. B, which never computed it,
+    # gets it from the SSD through the pool, with A's output.
+    a, b = node.servers["a"], node.servers["b"]
+    prompt = tokens(33, 20 * BLOCK + 5)
+    complete(a, prompt)
+    device_hit = complete(a, prompt)
+    for i in range(3):
+        complete(a, tokens(34 + i, 20 * BLOCK + 5))
+    # Until the service has settled its moves: the same DRAM and SSD counts
+    # and demotions twice in a row, a moment apart.
+    prev, now = None, pool_moves(node)
+    deadline = time.monotonic() + 120
+    while now != prev:
+        assert time.monotonic() < deadline, f"the pool never settled: {now}"
+        time.sleep(1.0)
+        prev, now = now, pool_moves(node)
+    before = b.metrics()
+    on_b = complete(b, prompt)
+    after = b.metrics()
+    hit = delta(after, before, EXT_HITS)
+    assert hit == 20 * BLOCK
+    assert delta(after, before, DISK) > 0 and delta(after, before, HOST) + delta(after, before, DISK) == hit
+    assert_loads_succeeded(before, after, hit)
+    assert on_b["text"] == device_hit["text"]
 
 
 def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node) -> None:
