@@ -242,8 +242,14 @@ def _size(args: argparse.Namespace) -> int:
             raise ConfigError("--config", "", "no file given and neither MMC_LOCAL_CONFIG_PATH nor "
                               "MMC_META_CONFIG_PATH is set")
 
+        from kvtier.pool.config import check_pool_fits
+
         cfg = load_pool_config(meta_path=args.meta_config, local_path=args.config or None)
         print(sizing.format_pool_totals(sizing.pool_totals(cfg)))
+        try:
+            check_pool_fits(cfg)
+        except ConfigError as err:  # sizing is the question asked: said, not an error here
+            print(f"on this host, kvtier meta would refuse it: {err.key} = {err.value}: {err.reason}")
         if not (args.model_dir or args.log):
             return 0
     if bool(args.model_dir) == bool(args.log):

@@ -154,3 +154,15 @@ def test_cli_size_from_a_log(tmp_path: Path, capsys) -> None:
     assert "per 1k tokens: 0.0656 GB (0.0611 GiB) per device, 0.2623 GB (0.2443 GiB) for the instance" in out
     assert cli_main(["size", "--log", str(tmp_path / "missing.log")]) == 2
     assert "--log" in capsys.readouterr().err
+
+
+def test_cli_size_config_says_when_kvtier_meta_would_refuse_the_pool(capsys, tmp_path: Path) -> None:
+    big, small = tmp_path / "big.conf", tmp_path / "small.conf"
+    big.write_text("ock.mmc.local_service.dram.size = 20GB\nock.mmc.local_service.world_size = 256\n")
+    small.write_text("ock.mmc.local_service.dram.size = 64MB\n")
+    assert cli_main(["size", "--config", str(big)]) == 0  # sizing asked: an answer, not an error
+    out = capsys.readouterr().out
+    assert "256 device(s) x (20.0 GiB DRAM tier" in out
+    assert "on this host, kvtier meta would refuse it: ock.mmc.local_service.dram.size = 20 GiB x 256" in out
+    assert cli_main(["size", "--config", str(small)]) == 0
+    assert "would refuse" not in capsys.readouterr().out
