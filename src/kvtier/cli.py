@@ -516,8 +516,8 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-dir", default="kvtier-logs", help="logs and the record of process ids")
     sv.add_argument("--port", type=_port, default=0, help="first instance's port (default: free ports)")
     sv.add_argument("--host", default="127.0.0.1", help="address the instances bind")
-    sv.set_defaults(func=_serve)
-    assert set(SERVE_FLAGS) <= {o for a in sv._actions for o in a.option_strings}
+    sv.set_defaults(func=_serve, own_flags=tuple(o for a in sv._actions for o in a.option_strings
+                                                 if o.startswith("--") and o != "--help"))
 
     so = sub.add_parser("stop", help="stop what kvtier serve started (by its recorded process ids)")
     so.add_argument("--log-dir", default="kvtier-logs")
@@ -541,9 +541,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-SERVE_FLAGS = ("--model", "--instances", "--config-dir", "--log-dir", "--port", "--host")
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line's arguments. ``kvtier serve`` hands what it does not
     know to vLLM, in order (``vllm_args``; a first ``--`` is dropped); any
@@ -563,7 +560,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"unrecognized arguments: {' '.join(before)}")
         for arg in mixed:
             name = arg.split("=", 1)[0].replace("_", "-")
-            close = difflib.get_close_matches(name, SERVE_FLAGS, n=1, cutoff=0.9) if arg.startswith("--") else []
+            close = difflib.get_close_matches(name, args.own_flags, n=1, cutoff=0.9) if arg.startswith("--") else []
             if close:
                 p.error(f"kvtier serve: {arg!r}: did you mean {close[0]}? (an argument for vLLM would go after --)")
         args.vllm_args = unknown

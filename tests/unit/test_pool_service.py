@@ -233,10 +233,13 @@ def test_a_silent_session_loses_its_lease(tmp_path: Path) -> None:
         assert (acc["pins"], acc["pinned_entries"]) == (0, 0)
         assert svc.sessions_expired == 1
         assert svc.store.counters()["pins_expired"] == 0  # they went with the session
-        # The pinging client kept its session through several lease periods.
+        # The pinging client kept its session through several lease periods,
+        # and keeps it idle for three more after its last call.
         assert [s.id for s in svc.sessions()] == [b.session]
         assert raw.recv(1) == b""  # the service closed the expired session
         raw.close()
+        time.sleep(6.0)
+        assert [s.id for s in svc.sessions()] == [b.session] and b.reconnects == 0 and b.connected
     finally:
         svc.stop()
 
