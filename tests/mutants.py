@@ -33,6 +33,7 @@ TESTS = [
     "tests/unit/test_pool_service.py", "tests/unit/test_store.py", "tests/unit/test_store_sessions.py",
     "tests/unit/test_pool_restart.py", "tests/unit/test_store_ssd.py", "tests/unit/test_layout_copy.py",
     "tests/unit/test_connector_stats.py", "tests/unit/test_ssd.py", "tests/unit/test_config.py",
+    "tests/unit/test_store_pressure.py",
 ]
 
 
@@ -82,6 +83,11 @@ MUTANTS = [
     Mutant("dram: unpublished blocks adopted after a restart", "src/kvtier/tier/dram.py",
            'if key == empty or not h["published"] or not h["ready"][: self.ranks].all():',
            'if key == empty or not h["ready"][: self.ranks].all():'),
+    Mutant("store: a block being saved counted by the lookup's fast path", "src/kvtier/store.py",
+           "                odd.add(key)\n", ""),
+    Mutant("store: a block to be freed once on SSD counted by the lookup's fast path", "src/kvtier/store.py",
+           "                e.evict_after = True\n                self._odd.add(key)\n",
+           "                e.evict_after = True\n"),
 ]
 
 

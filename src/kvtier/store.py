@@ -257,6 +257,11 @@ class TieredStore:
         # cost to what changed; the full policy order is mostly blocks
         # already copied once DRAM sits above the clean mark.
         self._dirty = LruPolicy()
+        # Keys whose DRAM entry is not plain READY (see _sync_odd): the
+        # probe's fast path counts the others without looking at their
+        # entries. Kept exact at every change of an entry's state, doomed or
+        # evict_after (odd_keys_consistent, checked in the tests).
+        self._odd: set[bytes] = set()
 
         self.ssd = ssd
         # Key -> SSD slot, slot states (free, dirty: may hold a valid older
@@ -337,22 +342,29 @@ class TieredStore:
         (its pending "free once on SSD" is cancelled): the caller tells vLLM
         about the hit before it can pin it."""
         absent = False  # the run stopped at a key held nowhere in the node pool
-        # One pass over the keys with everything it touches in locals: a
-        # 64k-token prompt of 16-token blocks is 4,096 keys, and the lookup
+        # A 64k-token prompt of 16-token blocks is 4,096 keys, and the lookup
         # runs on vLLM's scheduler thread (or in the meta service for every
-        # instance). Keys not in DRAM are looked up on SSD in batches
-        # (SsdIndex.ready_many) of 1, 8, 64, ... keys: a cold prompt, whose
-        # first key is held nowhere, costs one lookup, and a long run on SSD
-        # a few batches instead of a call per key.
+        # instance). First the leading keys in DRAM that are plain READY (not
+        # in self._odd), found by C calls alone (takewhile, map, compress):
+        # a key costs its hash and two set lookups, where the loop below
+        # costs three times that. Then, from the first key that is not, one
+        # pass with everything it touches in locals. Keys not in DRAM are
+        # looked up on SSD in batches (SsdIndex.ready_many) of 1, 8, 64, ...
+        # keys: a cold prompt, whose first key is held nowhere, costs one
+        # lookup, and a long run on SSD a few batches instead of a call per key.
         ready_state, promoting = EntryState.READY, EntryState.PROMOTING
         with self._lock:
-            ready = total = 0
-            entries, ssd = self._entries, self._ssd_entries
+            entries, ssd, odd = self._entries, self._ssd_entries, self._odd
+            run = list(itertools.takewhile(entries.__contains__, keys))
+            plain = len(run)
+            if plain and odd:
+                plain = next(itertools.compress(itertools.count(), map(odd.__contains__, run)), plain)
+            ready = total = plain
             on_ssd: list[bool] = []  # READY on SSD, for keys[base : base + len(on_ssd)]
-            base = 0
+            base = plain
             window = 1
             ssd_only = False  # a key counted is held on SSD only (not in the DRAM policy)
-            for key in keys:
+            for key in itertools.islice(keys, plain, None):
                 e = entries.get(key)
                 if e is None:
                     if ssd:
@@ -377,6 +389,7 @@ class TieredStore:
                         # test_store_pressure.py). It was just used, so it stays.
                         e.evict_after = False
                         self._freeing -= 1
+                        self._sync_odd(key, e)
                     if ready == total:
                         ready += 1
                     total += 1
@@ -388,12 +401,13 @@ class TieredStore:
             self._c.lookups += 1
             self._c.lookup_hits += total
             if total:
+                counted = keys[:total]
                 # Without a key found on SSD only, every key counted is in DRAM (in the policy).
-                self._policy.touch(keys[:total], all_held=not ssd_only)
+                self._policy.touch(counted, all_held=not ssd_only)
                 if self._dirty:
-                    self._dirty.touch(keys[:total])
+                    self._dirty.touch(counted)
                 if ssd:
-                    ssd.touch(keys[:total])
+                    ssd.touch(counted)
         if self._cluster is None or not absent:
             return Probe(ready, total)
         # Then the cluster tier, outside the lock (a remote call, bounded by
@@ -448,10 +462,12 @@ class TieredStore:
                 if i < len(wanted):
                     s = self._ssd_entries[key]
                     self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, on_ssd=True)
+                    self._odd.add(key)
                     s.pins += 1
                     jobs.append((key, slot, s.loc, s.rec))  # type: ignore[arg-type]
                 else:
                     self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, from_cluster=True)
+                    self._odd.add(key)
                     fetches.append((key, slot))
                 self._policy.insert(key)
                 moving += 1
@@ -500,6 +516,7 @@ class TieredStore:
                 self._entries[key] = e
                 self._policy.insert(key)
                 self._sync_dirty(key, e)
+                self._sync_odd(key, e)
                 n += 1
             self._free = [x for x in self._free if x in free]
             return n
@@ -533,7 +550,7 @@ class TieredStore:
         out = SaveSlots()
         placed = -1  # index of the first key not settled, once found
         with self._lock:
-            entries = self._entries
+            entries, odd = self._entries, self._odd
             unique = list(dict.fromkeys(keys))
             new = [k for k in unique if k not in entries]
             held = [k for k in unique if k in entries]
@@ -568,6 +585,7 @@ class TieredStore:
                 s = self._ssd_entries.get(key)
                 entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready,
                                       owner=owner)
+                odd.add(key)
                 pending.append(key)
                 added.append(key)
                 out.append(slot)
@@ -603,6 +621,7 @@ class TieredStore:
                         e.state = EntryState.READY
                         self.tier.publish(e.slot)
                         self._sync_dirty(key, e)
+                        self._sync_odd(key, e)
                         if self._cluster is not None and not self._publish_on_evict:
                             saved.append(key)
             if owner in self._progress:
@@ -771,6 +790,7 @@ class TieredStore:
                     e.doomed = True
                     self.tier.publish(e.slot, False)
                     self._sync_dirty(key, e)
+                    self._odd.add(key)
         return n
 
     def doom_pending(self, after_step: int, *, owner: int = 0) -> int:
@@ -789,6 +809,7 @@ class TieredStore:
                     e = self._own_pending(key, owner, s)
                     if e is not None and not e.doomed:
                         e.doomed = True
+                        self._odd.add(key)
                         n += 1
         return n
 
@@ -819,6 +840,7 @@ class TieredStore:
                     e.doomed = True
                     self.tier.publish(e.slot, False)
                     self._sync_dirty(key, e)
+                    self._odd.add(key)
             # SSD copies pinned by a promotion go when it ends (_promote);
             # those being written are not in the index yet (_demote).
             ssd_slots = self._ssd_entries.ready_unpinned()
@@ -854,6 +876,22 @@ class TieredStore:
 
     def _held_total(self) -> int:
         return sum(len(slots) for _, slots in self._held)  # a batch per ended session: few
+
+    def _sync_odd(self, key: bytes, e: _Entry) -> None:
+        """Keep ``key`` in the odd set exactly while its entry is not plain
+        READY (PENDING, PROMOTING, doomed, or to be freed once on SSD): the
+        probe's fast path counts a key held and not in the set as readable."""
+        if e.state is EntryState.READY and not (e.doomed or e.evict_after):
+            self._odd.discard(key)
+        else:
+            self._odd.add(key)
+
+    def odd_keys_consistent(self) -> bool:
+        """Whether the odd set is exactly what the entries say (for tests:
+        a key missing from it would be counted readable by the probe)."""
+        with self._lock:
+            return self._odd == {k for k, e in self._entries.items()
+                                 if e.state is not EntryState.READY or e.doomed or e.evict_after}
 
     def _sync_dirty(self, key: bytes, e: _Entry) -> None:
         """Keep ``key`` in the dirty order exactly while cleaning may copy it."""
@@ -940,6 +978,7 @@ class TieredStore:
             self._count_unpublished(e)
             if e.demoting:  # being cleaned already: free it when the write lands
                 e.evict_after = True
+                self._odd.add(key)
                 self._freeing += 1
                 demoted += 1
             elif self.ssd is None or e.on_ssd:
@@ -952,6 +991,7 @@ class TieredStore:
                 lost += 1
             else:
                 e.demoting = e.evict_after = True
+                self._odd.add(key)
                 self._dirty.remove(key)
                 room -= 1
                 self._freeing += 1
@@ -980,6 +1020,7 @@ class TieredStore:
 
     def _drop(self, key: bytes, e: _Entry) -> None:
         del self._entries[key]
+        self._odd.discard(key)
         self._policy.remove(key)
         self._dirty.remove(key)
         self.tier.clear(e.slot)
@@ -1091,6 +1132,7 @@ class TieredStore:
             self._c.corrupt_dram += 1
             e.doomed = True
             self.tier.publish(e.slot, False)
+            self._odd.add(key)
         self._finish_demotion_locked(key, rec is not None, count=not stale)
         return stale
 
@@ -1100,6 +1142,7 @@ class TieredStore:
         e = self._entries[key]
         e.demoting = False
         evict, e.evict_after = e.evict_after, False
+        self._sync_odd(key, e)
         if evict:
             self._freeing -= 1
         if ok:
@@ -1135,6 +1178,7 @@ class TieredStore:
         if ok:
             e.state = EntryState.READY
             self.tier.publish(e.slot)
+            self._sync_odd(key, e)
             self._c.promotions += 1
             return None
         self._c.promote_failures += 1
@@ -1226,6 +1270,7 @@ class TieredStore:
                 e.doomed = True
                 self.tier.publish(e.slot, False)
                 self._sync_dirty(key, e)
+                self._odd.add(key)
         else:
             # Not published again on its way out: with puts failing (cluster
             # full or refusing), the same victims were pinned for a put at
@@ -1245,6 +1290,7 @@ class TieredStore:
             self.tier.publish(e.slot)
             self._c.cluster_fetched += 1
             self._sync_dirty(key, e)
+            self._sync_odd(key, e)
             return
         if outcome is Fetched.GONE:
             self._c.cluster_gone += 1

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.store import TieredStore
 from kvtier.tier import DramTier
 from kvtier.tier.ssd import IoOps, Recovered, SsdTier
 
@@ -149,3 +150,22 @@ def make_ssd(tmp_path: Path) -> Iterator[Callable[..., tuple[SsdTier, Recovered]
     yield make
     for tier in opened:
         tier.close()
+
+
+@pytest.fixture(autouse=True)
+def probe_checks_odd_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every probe in the unit tests first checks the store's odd set (keys
+    not plain READY) against its entries: the probe's fast path counts a
+    held key missing from that set as readable, so a state change that
+    forgets the set would make a wrong hit. Stores of more than 20,000
+    entries (the pressure tests' largest) are checked on every 64th probe."""
+    probe = TieredStore.probe
+    calls = [0]
+
+    def checked(self: TieredStore, keys):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if len(self._entries) <= 20_000 or calls[0] % 64 == 0:
+            assert self.odd_keys_consistent(), "the store's odd set differs from its entries"
+        return probe(self, keys)
+
+    monkeypatch.setattr(TieredStore, "probe", checked)
