@@ -257,6 +257,15 @@ class TieredStore:
         # cost to what changed; the full policy order is mostly blocks
         # already copied once DRAM sits above the clean mark.
         self._dirty = LruPolicy()
+        # Whether lookups keep the dirty order in recency order. Cleaning
+        # reads it only above the clean mark; far below it (by the slack)
+        # lookups stop touching it, which halved their cost with an SSD tier
+        # in a pool not yet full, and cleaning sorts it again from the full
+        # order when it next starts (_clean_locked). At least ``slack``
+        # blocks are saved between two sorts, so a sort's cost (C calls over
+        # the keys held) comes to a few list operations per save.
+        self._dirty_ordered = True
+        self._clean_slack = max(1, self._clean_mark // 8)
         # Keys whose DRAM entry is not plain READY (see _sync_odd): the
         # probe's fast path counts the others without looking at their
         # entries. Kept exact at every change of an entry's state, doomed or
@@ -404,7 +413,9 @@ class TieredStore:
                 counted = keys[:total]
                 # Without a key found on SSD only, every key counted is in DRAM (in the policy).
                 self._policy.touch(counted, all_held=not ssd_only)
-                if self._dirty:
+                if self._dirty_ordered and len(entries) < self._clean_mark - self._clean_slack:
+                    self._dirty_ordered = False  # far below the clean mark: see _clean_locked
+                if self._dirty_ordered and self._dirty:
                     self._dirty.touch(counted)
                 if ssd:
                     ssd.touch(counted)
@@ -908,6 +919,9 @@ class TieredStore:
     def _clean_locked(self) -> None:
         if self.ssd is None or len(self._entries) <= self._clean_mark:
             return
+        if not self._dirty_ordered:
+            self._dirty.reorder_as(self._policy.victims())
+            self._dirty_ordered = True
         room = self._mover.room(ahead=True)
         # Only dirty blocks are walked, coldest first, and only until the
         # queue is full: the cost is the queue's room (plus pinned blocks

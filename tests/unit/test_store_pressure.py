@@ -305,3 +305,19 @@ def test_steps_do_not_walk_blocks_already_copied(make_store) -> None:
     save_each(store, [KEYS[7]], first_step=20)  # one new block: copied, nothing else looked at
     assert store.counters()["blocks_demoted"] == 8
     assert policy.walked == 0
+
+
+def test_cleaning_starts_from_the_coldest_blocks_after_lookups_far_below_the_clean_mark(
+        make_tier_of, open_ssd, io: GateIo) -> None:
+    # 64 slots, high 57, low 51: cleaning from 46 blocks up. Far below that
+    # (under 40) lookups leave the order of the blocks without an SSD copy
+    # as it is, and the first cleaning sorts it again from the LRU order.
+    with ssd_stores(make_tier_of(64, PAGE), open_ssd, io) as make:
+        store = make(high_pct=90, low_pct=80, demote_queue_blocks=2)
+        keys = [K(i) for i in range(46)]
+        save(store, keys[:20], step=0)
+        assert store.probe(keys[:10]) == Probe(10, 10)  # K0..K9 used again: K19..K10 are now the coldest
+        save(store, keys[20:], step=1)  # 46 blocks: cleaning copies the two coldest (the queue's room)
+        assert store.wait_idle()
+        assert store.counters()["blocks_demoted"] == 2
+        assert {k for k in keys if (store.key_info(k) or {}).get("ssd")} == {K(19), K(18)}

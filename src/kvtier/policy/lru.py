@@ -30,6 +30,12 @@ class EvictionPolicy(ABC):
     def remove(self, key: bytes) -> None: ...
 
     @abstractmethod
+    def reorder_as(self, order: Iterable[bytes]) -> None:
+        """Put the keys held in the order they have in ``order`` (first to
+        evict first); keys held that ``order`` lacks keep their order, after
+        it. Not while a ``victims`` walk of this policy is open."""
+
+    @abstractmethod
     def victims(self) -> Iterator[bytes]:
         """Keys from first to evict to last, lazily: the walk costs what the
         caller takes from it, not the number of keys held. The caller may
@@ -95,6 +101,15 @@ class LruPolicy(EvictionPolicy):
         if self._order.pop(key, _ABSENT) is not _ABSENT:
             for walk in self._walks:
                 walk.passed.discard(key)
+
+    def reorder_as(self, order: Iterable[bytes]) -> None:
+        if self._walks:
+            raise RuntimeError("reorder_as with a victims() walk open")
+        old = self._order
+        new: OrderedDict[bytes, None] = OrderedDict.fromkeys(filter(old.__contains__, order))
+        if len(new) < len(old):
+            new.update(OrderedDict.fromkeys(k for k in old if k not in new))
+        self._order = new
 
     def victims(self) -> Iterator[bytes]:
         walk = _Walk()
