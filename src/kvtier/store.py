@@ -621,7 +621,12 @@ class TieredStore:
         with self._lock:
             self._mover.step_done()  # the clock of the SSD write back-off
             for s, keys in self._take_steps(self._pending, owner, step):
-                for key in keys:
+                # Tail first, as prepare_save put them in the LRU order: the
+                # order of blocks without an SSD copy gets a prefix's tail
+                # before its head, so cleaning copies first what eviction
+                # frees first. Published head first (saved, reversed below).
+                made = len(saved)
+                for key in reversed(keys):
                     e = self._own_pending(key, owner, s)
                     if e is None:
                         continue
@@ -635,6 +640,7 @@ class TieredStore:
                         self._sync_odd(key, e)
                         if self._cluster is not None and not self._publish_on_evict:
                             saved.append(key)
+                saved[made:] = saved[made:][::-1]
             if owner in self._progress:
                 self._progress[owner] = time.monotonic()
             for _, (_, keys) in self._take_steps(self._pins, owner, step):

@@ -321,3 +321,13 @@ def test_cleaning_starts_from_the_coldest_blocks_after_lookups_far_below_the_cle
         assert store.wait_idle()
         assert store.counters()["blocks_demoted"] == 2
         assert {k for k in keys if (store.key_info(k) or {}).get("ssd")} == {K(19), K(18)}
+
+
+def test_cleaning_copies_a_saved_prefix_from_its_tail_as_eviction_frees_it(make_tier_of, open_ssd, io: GateIo) -> None:
+    with ssd_stores(make_tier_of(64, PAGE), open_ssd, io) as make:
+        store = make(high_pct=90, low_pct=80, demote_queue_blocks=2)
+        keys = [K(i) for i in range(46)]
+        save(store, keys, step=0)  # one prefix of 46 blocks: above the clean mark (45)
+        assert store.wait_idle()
+        assert store.counters()["blocks_demoted"] == 2
+        assert {k for k in keys if (store.key_info(k) or {}).get("ssd")} == {K(45), K(44)}
