@@ -42,7 +42,7 @@ Three measurements, each against a peer measured in the same run:
   identical configurations).
 
 Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--json out.json]
-       lookup: [--tokens 65536] [--reps 1000]
+       lookup: [--tokens 65536] [--reps 1000] [--ssd]
        scale:  [--clients 1,2,4] [--transport tcp|unix] [--shared-blocks 1024] [--own-blocks 32]
        ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 2.0]
                [--concurrency 8] [--tput-reps 4] [--dram-size 2GB] [--hits-only | --no-hits]
@@ -71,7 +71,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvtier.config import KvtierConfig
+from kvtier.config import KvtierConfig, parse_size
 from kvtier.keys import KeyNamespace, block_keys
 from kvtier.placement import EmbeddedPlacement, Placement, open_store
 from kvtier.pool import wire
@@ -88,6 +88,7 @@ GOAL_POOL_OVER_EMBEDDED = 0.05  # within 5 %
 GOAL_NO_HIT = 0.03  # within 3 %
 RANK_BYTES = 4096  # the index's cost does not depend on the block's size; a small arena does
 RANKS = 1
+SSD_SIZE = "256MB"  # lookup --ssd: an SSD tier larger than the keys probed (its size does not change a probe)
 
 
 def percentiles_us(samples_s: Sequence[float], qs: Sequence[float] = (50, 99)) -> list[float]:
@@ -106,9 +107,10 @@ def shm_root() -> str:
 
 
 def write_configs(folder: Path, url: str, dram_size: str, shm_dir: str,
-                  warm_interval: float | None = None) -> tuple[Path, Path]:
-    """The two files the seeds give ``kvtier meta``: one device of ``dram_size``, no SSD;
-    ``warm_interval``: the arena's ``kvtier.warm_interval`` (None: kvtier's default)."""
+                  warm_interval: float | None = None, ssd_file: str | None = None) -> tuple[Path, Path]:
+    """The two files the seeds give ``kvtier meta``: one device of ``dram_size``;
+    ``warm_interval``: the arena's ``kvtier.warm_interval`` (None: kvtier's default);
+    ``ssd_file``: an SSD tier of ``SSD_SIZE`` on that file (None: no SSD)."""
     meta = folder / "mmc-meta.conf"
     meta.write_text(f"ock.mmc.meta_service_url = {url}\n"
                     f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n"
@@ -120,20 +122,25 @@ def write_configs(folder: Path, url: str, dram_size: str, shm_dir: str,
                      "ock.mmc.local_service.protocol = host_shm\n"
                      f"ock.mmc.local_service.dram.size = {dram_size}\n"
                      "ock.mmc.local_service.world_size = 1\n"
-                     "ock.mmc.local_service.storage.enabled = false\n"
-                     f"kvtier.shm_dir = {shm_dir}\n"
+                     + ("ock.mmc.local_service.storage.enabled = false\n" if ssd_file is None else
+                        "ock.mmc.local_service.storage.enabled = true\n"
+                        f"ubsio.disk.path = {ssd_file}\n"
+                        f"kvtier.ssd_size = {SSD_SIZE}\n")
+                     + f"kvtier.shm_dir = {shm_dir}\n"
                      + ("" if warm_interval is None else f"kvtier.warm_interval = {warm_interval}\n"))
     return meta, local
 
 
 @contextmanager
-def meta_service(transport: str, dram_size: str, warm_interval: float | None = None) -> Iterator[MetaProcess]:
+def meta_service(transport: str, dram_size: str, warm_interval: float | None = None,
+                 ssd: bool = False) -> Iterator[MetaProcess]:
     """A meta service on a Unix socket or on TCP loopback, its files, socket,
-    log and arena in temporary folders removed on exit."""
+    log, arena and (``ssd``) SSD file in temporary folders removed on exit."""
     folder = Path(tempfile.mkdtemp(prefix="kvtier-bench-pool-"))
     shm = tempfile.mkdtemp(prefix="kvtier-bench-pool-", dir=shm_root())
     url = f"unix://{folder}/meta.sock" if transport == "unix" else f"tcp://127.0.0.1:{free_port()}"
-    meta_conf, local_conf = write_configs(folder, url, dram_size, shm, warm_interval)
+    meta_conf, local_conf = write_configs(folder, url, dram_size, shm, warm_interval,
+                                          ssd_file=str(folder / "ssd") if ssd else None)
     proc = MetaProcess(meta_conf, local_conf, log_path=folder / "meta.log")
     try:
         with proc:
@@ -144,11 +151,15 @@ def meta_service(transport: str, dram_size: str, warm_interval: float | None = N
 
 
 @contextmanager
-def embedded_store(dram_size_bytes: int) -> Iterator[EmbeddedPlacement]:
-    """The embedded backend's store in this process, with the service's watermarks."""
+def embedded_store(dram_size_bytes: int, ssd: bool = False) -> Iterator[EmbeddedPlacement]:
+    """The embedded backend's store in this process, with the service's
+    watermarks; ``ssd``: with an SSD tier of ``SSD_SIZE`` on a temporary file."""
     shm = tempfile.mkdtemp(prefix="kvtier-bench-pool-", dir=shm_root())
+    disk = tempfile.mkdtemp(prefix="kvtier-bench-pool-") if ssd else None
     cfg = KvtierConfig(dram_size_bytes=dram_size_bytes, shm_dir=shm, evict_threshold_high=90.0,
-                       evict_threshold_low=80.0)
+                       evict_threshold_low=80.0,
+                       ssd_paths=(os.path.join(disk, "ssd"),) if disk else (),
+                       ssd_size_bytes=parse_size("kvtier.ssd_size", SSD_SIZE) if disk else None)
     placement = EmbeddedPlacement(open_store(cfg, os.path.join(shm, "arena"), RANK_BYTES, RANKS, bytes(16),
                                              reaper=False))
     try:
@@ -156,6 +167,8 @@ def embedded_store(dram_size_bytes: int) -> Iterator[EmbeddedPlacement]:
     finally:
         placement.shutdown()
         shutil.rmtree(shm, ignore_errors=True)
+        if disk:
+            shutil.rmtree(disk, ignore_errors=True)
 
 
 class PingSession:
@@ -241,17 +254,20 @@ def run_lookup(args: argparse.Namespace) -> dict:
     dram_bytes = -(-int(needed / 0.7 * (RANK_BYTES + 512)) // (2 << 20)) * (2 << 20)
     rounds = 10  # the service's and the in-process probes alternate in rounds: both see the same noise
     per_round = max(1, args.reps // rounds)
-    out: dict = {"tokens": args.tokens, "reps": per_round * rounds, "rows": []}
+    out: dict = {"tokens": args.tokens, "reps": per_round * rounds, "ssd": args.ssd, "rows": []}
 
-    with embedded_store(dram_bytes) as local:
+    with embedded_store(dram_bytes, ssd=args.ssd) as local:
+        out["embedded_ssd_slots"] = local.store.ssd.num_slots if local.store.ssd is not None else 0
         for b, keys in requests.items():
             assert save(local, local.store.tier, keys, step=0) == len(keys)
             assert local.probe(keys).ready == len(keys)
         for transport in ("unix", "tcp"):
-            with meta_service(transport, str(dram_bytes)) as meta:
+            with meta_service(transport, str(dram_bytes), ssd=args.ssd) as meta:
                 pool = PoolPlacement(meta.address, ranks=RANKS, rank_bytes=RANK_BYTES, name="bench-lookup")
                 tier = DramTier.attach(pool.arena_path)
                 try:
+                    m = parse_metrics(httpx.get(meta.metrics_url + "/metrics", timeout=10).text)
+                    out.setdefault("ssd_bytes", {})[transport] = m.get('kvtier_pool_capacity_bytes{tier="ssd"}', 0.0)
                     for b, keys in requests.items():
                         assert save(pool, tier, keys, step=b) == len(keys), "the pool had no room"
                         assert pool.probe(keys).ready == len(keys)
@@ -282,7 +298,7 @@ def run_lookup(args: argparse.Namespace) -> dict:
 
 def print_lookup(res: dict) -> None:
     print(f"\n## Lookup of a {res['tokens']}-token request through the meta service "
-          f"({res['reps']} calls each)\n")
+          f"({res['reps']} calls each{', SSD tier on' if res.get('ssd') else ''})\n")
     print("| call | via | p50 (us) | p99 (us) | of which in the service's store, mean (us) | "
           "in process p50 / p99 (us) | service / in process (p50) | goal: p99 <= 1000 us |")
     print("|---|---|---|---|---|---|---|---|")
@@ -834,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write every sample and count here")
     ap.add_argument("--tokens", type=int, default=65536, help="lookup: tokens of the request")
     ap.add_argument("--reps", type=int, default=1000, help="lookup: calls per measure")
+    ap.add_argument("--ssd", action="store_true",
+                    help=f"lookup: the service and the store in this process with an SSD tier ({SSD_SIZE} file)")
     ap.add_argument("--seconds", type=float, default=10.0, help="scale: seconds per number of instances")
     ap.add_argument("--clients", default="1,2,4", help="scale: numbers of client processes")
     ap.add_argument("--transport", choices=("tcp", "unix"), default="tcp", help="scale: the service's socket")

@@ -1,8 +1,10 @@
 """bench/pool.py's 0 % hits bookkeeping: the order configurations take
-turns in, and how samples of several sets of instances are pooled."""
+turns in, and how samples of several sets of instances are pooled; and a
+short lookup run with the SSD tier on, so that the option keeps working."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -45,3 +47,16 @@ def test_sets_pool_in_order_so_pairs_stay_aligned(pool):
     assert out["plain"]["set_ttfts"] == [[1.0, 2.0], [3.0, 4.0]]
     # The hooks' time over every set's TTFT prompts, per prompt; none for vLLM alone.
     assert out["pool"]["hook_s_per_prompt"] == 0.75 / 4 and out["plain"]["hook_s_per_prompt"] == 0.0
+
+
+def test_lookup_with_the_ssd_tier_runs_both_stores_with_one(pool):
+    # A short run: 64 keys of 16-token blocks and 16 of 64, 10 probes each,
+    # through a meta service on each transport and in this process.
+    args = argparse.Namespace(tokens=1024, reps=10, ssd=True)
+    out = pool.run_lookup(args)
+    assert out["embedded_ssd_slots"] > 0
+    assert set(out["ssd_bytes"]) == {"unix", "tcp"} and min(out["ssd_bytes"].values()) > 0
+    probes = [r for r in out["rows"] if r["keys"]]
+    assert sorted((r["transport"], r["keys"]) for r in probes) == [("tcp", 16), ("tcp", 64), ("unix", 16),
+                                                                  ("unix", 64)]
+    assert all(len(r["service_s"]) == len(r["embedded_s"]) == 10 for r in probes)
