@@ -805,9 +805,9 @@ class TieredStore:
                     self._drop(key, e)
                 else:
                     e.doomed = True
+                    self._odd.add(key)
                     self.tier.publish(e.slot, False)
                     self._sync_dirty(key, e)
-                    self._odd.add(key)
         return n
 
     def doom_pending(self, after_step: int, *, owner: int = 0) -> int:
@@ -855,9 +855,9 @@ class TieredStore:
                     self._drop(key, e)
                 else:
                     e.doomed = True
+                    self._odd.add(key)
                     self.tier.publish(e.slot, False)
                     self._sync_dirty(key, e)
-                    self._odd.add(key)
             # SSD copies pinned by a promotion go when it ends (_promote);
             # those being written are not in the index yet (_demote).
             ssd_slots = self._ssd_entries.ready_unpinned()
@@ -926,23 +926,28 @@ class TieredStore:
         if self.ssd is None or len(self._entries) <= self._clean_mark:
             return
         if not self._dirty_ordered:
-            self._dirty.reorder_as(self._policy.victims())
+            if self._dirty:
+                self._dirty.reorder_as(self._policy.victims())
             self._dirty_ordered = True
         room = self._mover.room(ahead=True)
         # Only dirty blocks are walked, coldest first, and only until the
         # queue is full: the cost is the queue's room (plus pinned blocks
         # passed over), not the number of blocks held (issue 7, item 10).
         batch: list[bytes] = []
-        for key in self._dirty.victims():
-            if room <= 0:
-                break
-            e = self._entries[key]
-            if e.pins:
-                continue  # being read: copied once its readers are done
-            e.demoting = True
-            self._dirty.remove(key)
-            room -= 1
-            batch.append(key)
+        walk = self._dirty.victims()
+        try:
+            for key in walk:
+                if room <= 0:
+                    break
+                e = self._entries[key]
+                if e.pins:
+                    continue  # being read: copied once its readers are done
+                e.demoting = True
+                self._dirty.remove(key)
+                room -= 1
+                batch.append(key)
+        finally:
+            walk.close()  # closed now even if this raised: reorder_as refuses while a walk is open
         if batch:
             self._mover.demote(batch)
 
@@ -1151,8 +1156,8 @@ class TieredStore:
         if bad:
             self._c.corrupt_dram += 1
             e.doomed = True
-            self.tier.publish(e.slot, False)
             self._odd.add(key)
+            self.tier.publish(e.slot, False)
         self._finish_demotion_locked(key, rec is not None, count=not stale)
         return stale
 
@@ -1288,9 +1293,9 @@ class TieredStore:
             self._c.corrupt_dram += 1
             if not e.doomed:
                 e.doomed = True
+                self._odd.add(key)
                 self.tier.publish(e.slot, False)
                 self._sync_dirty(key, e)
-                self._odd.add(key)
         else:
             # Not published again on its way out: with puts failing (cluster
             # full or refusing), the same victims were pinned for a put at

@@ -157,8 +157,9 @@ def probe_checks_odd_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every probe in the unit tests first checks the store's odd set (keys
     not plain READY) against its entries: the probe's fast path counts a
     held key missing from that set as readable, so a state change that
-    forgets the set would make a wrong hit. Stores of more than 20,000
-    entries (the pressure tests' largest) are checked on every 64th probe."""
+    forgets the set would make a wrong hit. A store of more than 20,000
+    entries (none in the unit tests today) is checked on every 64th probe.
+    Probes in a meta service's own process (test_pool_restart) are not."""
     probe = TieredStore.probe
     calls = [0]
 

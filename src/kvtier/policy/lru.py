@@ -29,11 +29,6 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def remove(self, key: bytes) -> None: ...
 
-    @abstractmethod
-    def reorder_as(self, order: Iterable[bytes]) -> None:
-        """Put the keys held in the order they have in ``order`` (first to
-        evict first); keys held that ``order`` lacks keep their order, after
-        it. Not while a ``victims`` walk of this policy is open."""
 
     @abstractmethod
     def victims(self) -> Iterator[bytes]:
@@ -103,6 +98,9 @@ class LruPolicy(EvictionPolicy):
                 walk.passed.discard(key)
 
     def reorder_as(self, order: Iterable[bytes]) -> None:
+        """Put the keys held in the order they have in ``order`` (first to
+        evict first); keys held that ``order`` lacks keep their order, after
+        it. Not while a ``victims`` walk of this policy is open."""
         if self._walks:
             raise RuntimeError("reorder_as with a victims() walk open")
         old = self._order

@@ -1,0 +1,152 @@
+"""kvtier.store under random calls: the lookup against its plain definition.
+
+The store's probe counts leading plain READY keys by C calls over a set it
+keeps of the keys that are not (store.py, ``_odd``). Here two owners make
+random calls (saves, completed and failed steps, pins, promotions,
+discards, doomed steps, abandoned saves, ended sessions, resets, expired
+pins) on a real arena of 24 slots over an SSD tier of 40 whose writes fail
+at random while some runs. Before every call the set must match the
+entries, and every probe must give what the plain walk over the entries
+gives (``expected_probe``): leading keys READY in DRAM (ready), then
+those on SSD or being promoted (total), stopping at a doomed, PENDING or
+missing key.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from kvtier.store import EntryState, TieredStore
+from kvtier.tier.dram import checksum
+from kvtier.tier.ssd import IoOps
+
+pytestmark = pytest.mark.timeout(300)
+
+PAGE = 4096
+KEYS = [i.to_bytes(16, "big") for i in range(60)]
+
+
+class FlakyWrites(IoOps):
+    """SSD writes that fail with EIO with probability ``fail``."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.fail = 0.0
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if self.rng.random() < self.fail:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().pwritev(fd, buffers, offset)
+
+
+def expected_probe(store: TieredStore, keys: Sequence[bytes]) -> tuple[int, int]:
+    """(ready, total) by the plain walk over the store's entries (under its lock)."""
+    ready = total = 0
+    for key in keys:
+        e = store._entries.get(key)
+        if e is None:
+            s = store._ssd_entries.get(key)
+            if store.ssd is not None and s is not None and s.ready:
+                total += 1
+                continue
+            break
+        if e.doomed:
+            break
+        if e.state is EntryState.READY:
+            ready += ready == total
+            total += 1
+        elif e.state is EntryState.PROMOTING:
+            total += 1
+        else:
+            break
+    return ready, total
+
+
+def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> int:
+    """Random calls; returns the number of probes checked."""
+    steps = {0: 0, 1: 0}
+    open_steps: dict[int, list[tuple[int, list[int]]]] = {0: [], 1: []}
+    probes = 0
+
+    def run_of(longest: int) -> list[bytes]:
+        start = rng.randrange(len(KEYS))
+        return [KEYS[(start + j) % len(KEYS)] for j in range(rng.randrange(1, longest))]
+
+    for i in range(calls):
+        with store._lock:
+            assert store.odd_keys_consistent(), f"call {i}: the odd set differs from the entries"
+        owner = rng.choice([0, 1])
+        x = rng.random()
+        if x < 0.3:
+            keys = run_of(12)
+            if rng.random() < 0.2:
+                keys += keys[:3]  # a key asked twice
+            with store._lock:
+                want = expected_probe(store, keys)
+                got = store.probe(keys)
+            assert (got.ready, got.total) == want, f"call {i}: probe {got} where the entries say {want}"
+            probes += 1
+        elif x < 0.55:
+            keys = run_of(10)
+            step = steps[owner]
+            steps[owner] += 1
+            slots = store.prepare_save(keys, step, owner=owner)
+            for key, slot in zip(keys, slots):
+                if slot is not None and rng.random() < 0.95:  # some workers never seal their slot
+                    view = store.tier.rank_view(slot, 0)
+                    view.copy_(torch.frombuffer(bytearray(hashlib.shake_256(key).digest(PAGE)), dtype=torch.uint8))
+                    store.tier.seal(slot, key, 0, checksum(view, key))
+            open_steps[owner].append((step, [s for s in slots if s is not None]))
+        elif x < 0.75:
+            if open_steps[owner]:
+                step, slots = rng.choice(open_steps[owner])
+                open_steps[owner] = [o for o in open_steps[owner] if o[0] > step]
+                store.complete_step(step, [s for s in slots if rng.random() < 0.1], owner=owner)
+            else:
+                store.complete_step(steps[owner], owner=owner)
+        elif x < 0.82:
+            store.pin(run_of(6), steps[owner], owner=owner)
+        elif x < 0.88:
+            store.promote(run_of(8))
+        elif x < 0.91:
+            store.discard([rng.choice(KEYS)])
+        elif x < 0.93:
+            store.doom_pending(rng.randrange(max(1, steps[owner])), owner=owner)
+        elif x < 0.95:
+            if open_steps[owner]:
+                store.abandon_saves(open_steps[owner].pop(0)[0], owner=owner)
+        elif x < 0.96:
+            store.end_session(owner)
+            open_steps[owner] = []
+        elif x < 0.965:
+            store.clear()
+        elif x < 0.98:
+            io.fail = rng.choice([0.0, 0.0, 0.5, 1.0])
+        elif x < 0.99:
+            assert store.wait_idle()
+        else:
+            store.expire_pins(float("inf"))
+    assert store.wait_idle()
+    with store._lock:
+        assert store.odd_keys_consistent()
+    return probes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_calls_keep_the_probe_equal_to_the_plain_walk(seed: int, make_tier_of, make_ssd) -> None:
+    rng = random.Random(seed)
+    io = FlakyWrites(rng)
+    ssd, recovered = make_ssd(40, PAGE, io=io)
+    store = TieredStore(make_tier_of(24, PAGE), high_pct=90, low_pct=70, ssd=ssd, recovered=recovered,
+                        dram_watermark_pct=100, demote_queue_blocks=rng.choice([1, 2, 4, 8]))
+    try:
+        assert run(rng, store, io, calls=1500) > 300
+    finally:
+        store.close()
