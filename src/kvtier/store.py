@@ -927,7 +927,7 @@ class TieredStore:
             return
         if not self._dirty_ordered:
             if self._dirty:
-                self._dirty.reorder_as(self._policy.victims())
+                self._dirty.reorder_as(self._policy.in_order())
             self._dirty_ordered = True
         room = self._mover.room(ahead=True)
         # Only dirty blocks are walked, coldest first, and only until the

@@ -100,14 +100,15 @@ def test_victims_is_lazy() -> None:
     assert list(walk) == [K[0], K[1]]
 
 
-def test_reorder_as_follows_the_given_order_and_keeps_the_rest_after_it() -> None:
+def test_reorder_as_follows_the_given_order_and_keeps_the_rest_before_it() -> None:
     p = LruPolicy()
     for k in K[:6]:
         p.insert(k)
-    # K[6] is not held (passed over); K[1] and K[4] are not in the order (kept, after it, as they were).
+    # K[6] is not held (passed over); K[1] and K[4] are not in the order (first, as they were).
     p.reorder_as([K[5], K[6], K[3], K[0], K[2]])
-    assert list(p.victims()) == [K[5], K[3], K[0], K[2], K[1], K[4]]
-    assert len(p) == 6
+    assert list(p.victims()) == [K[1], K[4], K[5], K[3], K[0], K[2]]
+    assert list(p.in_order()) == list(p.victims())
+    assert len(p) == 6 and K[6] not in p
     p.touch([K[5]])
     assert list(p.victims())[-1] == K[5]
 

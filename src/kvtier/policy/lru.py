@@ -29,6 +29,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def remove(self, key: bytes) -> None: ...
 
+    def in_order(self) -> Iterator[bytes]:
+        """Every key held, first to evict first, read at once: the caller
+        changes nothing until it has read them all. A policy may give a
+        faster iterator than ``victims``, which allows changes as it goes."""
+        return self.victims()
+
 
     @abstractmethod
     def victims(self) -> Iterator[bytes]:
@@ -97,17 +103,19 @@ class LruPolicy(EvictionPolicy):
             for walk in self._walks:
                 walk.passed.discard(key)
 
+    def in_order(self) -> Iterator[bytes]:
+        return iter(self._order)  # C iteration: a walk's bookkeeping cost 1-2 us a key
+
     def reorder_as(self, order: Iterable[bytes]) -> None:
         """Put the keys held in the order they have in ``order`` (first to
-        evict first); keys held that ``order`` lacks keep their order, after
-        it. Not while a ``victims`` walk of this policy is open."""
+        evict first); keys held that ``order`` lacks come before them, in
+        their order. Not while a ``victims`` walk of this policy is open.
+        C calls only (a move of each key held that ``order`` names: half the
+        time of building a new order)."""
         if self._walks:
             raise RuntimeError("reorder_as with a victims() walk open")
-        old = self._order
-        new: OrderedDict[bytes, None] = OrderedDict.fromkeys(filter(old.__contains__, order))
-        if len(new) < len(old):
-            new.update(OrderedDict.fromkeys(k for k in old if k not in new))
-        self._order = new
+        order_map = self._order
+        deque(map(order_map.move_to_end, filter(order_map.__contains__, order)), 0)
 
     def victims(self) -> Iterator[bytes]:
         walk = _Walk()
