@@ -137,17 +137,19 @@ def meta_service(transport: str, dram_size: str, warm_interval: float | None = N
     """A meta service on a Unix socket or on TCP loopback, its files, socket,
     log, arena and (``ssd``) SSD file in temporary folders removed on exit."""
     folder = Path(tempfile.mkdtemp(prefix="kvtier-bench-pool-"))
-    shm = tempfile.mkdtemp(prefix="kvtier-bench-pool-", dir=shm_root())
-    url = f"unix://{folder}/meta.sock" if transport == "unix" else f"tcp://127.0.0.1:{free_port()}"
-    meta_conf, local_conf = write_configs(folder, url, dram_size, shm, warm_interval,
-                                          ssd_file=str(folder / "ssd") if ssd else None)
-    proc = MetaProcess(meta_conf, local_conf, log_path=folder / "meta.log")
-    try:
+    shm = ""
+    try:  # the folders go whatever fails after they are made
+        shm = tempfile.mkdtemp(prefix="kvtier-bench-pool-", dir=shm_root())
+        url = f"unix://{folder}/meta.sock" if transport == "unix" else f"tcp://127.0.0.1:{free_port()}"
+        meta_conf, local_conf = write_configs(folder, url, dram_size, shm, warm_interval,
+                                              ssd_file=str(folder / "ssd") if ssd else None)
+        proc = MetaProcess(meta_conf, local_conf, log_path=folder / "meta.log")
         with proc:
             yield proc
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+        if shm:
+            shutil.rmtree(shm, ignore_errors=True)
 
 
 @contextmanager
@@ -155,17 +157,20 @@ def embedded_store(dram_size_bytes: int, ssd: bool = False) -> Iterator[Embedded
     """The embedded backend's store in this process, with the service's
     watermarks; ``ssd``: with an SSD tier of ``SSD_SIZE`` on a temporary file."""
     shm = tempfile.mkdtemp(prefix="kvtier-bench-pool-", dir=shm_root())
-    disk = tempfile.mkdtemp(prefix="kvtier-bench-pool-") if ssd else None
-    cfg = KvtierConfig(dram_size_bytes=dram_size_bytes, shm_dir=shm, evict_threshold_high=90.0,
-                       evict_threshold_low=80.0,
-                       ssd_paths=(os.path.join(disk, "ssd"),) if disk else (),
-                       ssd_size_bytes=parse_size("kvtier.ssd_size", SSD_SIZE) if disk else None)
-    placement = EmbeddedPlacement(open_store(cfg, os.path.join(shm, "arena"), RANK_BYTES, RANKS, bytes(16),
-                                             reaper=False))
-    try:
+    disk = None
+    placement = None
+    try:  # the folders go whatever fails after they are made
+        disk = tempfile.mkdtemp(prefix="kvtier-bench-pool-") if ssd else None
+        cfg = KvtierConfig(dram_size_bytes=dram_size_bytes, shm_dir=shm, evict_threshold_high=90.0,
+                           evict_threshold_low=80.0,
+                           ssd_paths=(os.path.join(disk, "ssd"),) if disk else (),
+                           ssd_size_bytes=parse_size("kvtier.ssd_size", SSD_SIZE) if disk else None)
+        placement = EmbeddedPlacement(open_store(cfg, os.path.join(shm, "arena"), RANK_BYTES, RANKS, bytes(16),
+                                                 reaper=False))
         yield placement
     finally:
-        placement.shutdown()
+        if placement is not None:
+            placement.shutdown()
         shutil.rmtree(shm, ignore_errors=True)
         if disk:
             shutil.rmtree(disk, ignore_errors=True)

@@ -5,7 +5,11 @@ short lookup run with the SSD tier on, so that the option keeps working."""
 from __future__ import annotations
 
 import argparse
+import errno
+import glob
 import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -60,3 +64,16 @@ def test_lookup_with_the_ssd_tier_runs_both_stores_with_one(pool):
     assert sorted((r["transport"], r["keys"]) for r in probes) == [("tcp", 16), ("tcp", 64), ("unix", 16),
                                                                   ("unix", 64)]
     assert all(len(r["service_s"]) == len(r["embedded_s"]) == 10 for r in probes)
+
+
+def test_a_store_that_fails_to_open_leaves_no_folder(pool, monkeypatch):
+    def no_room(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(pool, "open_store", no_room)
+    roots = [pool.shm_root(), tempfile.gettempdir()]
+    before = {p for r in roots for p in glob.glob(os.path.join(r, "kvtier-bench-pool-*"))}
+    with pytest.raises(OSError, match="space"):
+        with pool.embedded_store(1 << 20, ssd=True):
+            pass
+    assert {p for r in roots for p in glob.glob(os.path.join(r, "kvtier-bench-pool-*"))} == before
