@@ -35,7 +35,6 @@ class EvictionPolicy(ABC):
         faster iterator than ``victims``, which allows changes as it goes."""
         return self.victims()
 
-
     @abstractmethod
     def victims(self) -> Iterator[bytes]:
         """Keys from first to evict to last, lazily: the walk costs what the
