@@ -13,6 +13,9 @@ Three measurements, each against a peer measured in the same run:
   a call is the wire (MessagePack both ways, the socket, two threads
   waking). Also the round trip of an empty request (``Ping``) on a raw
   session, the wire alone. Goal: p99 <= 1 ms through the service.
+  ``--gap-ms``: a pause between calls, not timed (a scheduler probes a
+  request, then runs steps); back to back, a probe also waits for the
+  service to finish refreshing the previous probe's run.
 * ``scale`` (no vLLM): 1, 2 and 4 client processes, each its own
   :class:`~kvtier.pool.client.PoolPlacement` on one service, each looping
   for ``--seconds`` over: save a new prefix of its own (prepare_save, seal
@@ -42,7 +45,7 @@ Three measurements, each against a peer measured in the same run:
   identical configurations).
 
 Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--json out.json]
-       lookup: [--tokens 65536] [--reps 1000] [--ssd]
+       lookup: [--tokens 65536] [--reps 1000] [--ssd] [--gap-ms 0]
        scale:  [--clients 1,2,4] [--transport tcp|unix] [--shared-blocks 1024] [--own-blocks 32]
        ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 2.0]
                [--concurrency 8] [--tput-reps 4] [--dram-size 2GB] [--hits-only | --no-hits]
@@ -235,12 +238,15 @@ def request_keys(seed: int, tokens: int, block: int) -> list[bytes]:
 # --- lookup -----------------------------------------------------------------------
 
 
-def time_calls(fn: Callable[[], object], n: int) -> list[float]:
+def time_calls(fn: Callable[[], object], n: int, gap_s: float = 0.0) -> list[float]:
+    """Seconds of each of ``n`` calls, ``gap_s`` apart (the gap not timed)."""
     out = []
     for _ in range(n):
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
+        if gap_s:
+            time.sleep(gap_s)
     return out
 
 
@@ -259,7 +265,9 @@ def run_lookup(args: argparse.Namespace) -> dict:
     dram_bytes = -(-int(needed / 0.7 * (RANK_BYTES + 512)) // (2 << 20)) * (2 << 20)
     rounds = 10  # the service's and the in-process probes alternate in rounds: both see the same noise
     per_round = max(1, args.reps // rounds)
-    out: dict = {"tokens": args.tokens, "reps": per_round * rounds, "ssd": args.ssd, "rows": []}
+    gap = args.gap_ms / 1000
+    out: dict = {"tokens": args.tokens, "reps": per_round * rounds, "ssd": args.ssd, "gap_ms": args.gap_ms,
+                 "rows": []}
 
     with embedded_store(dram_bytes, ssd=args.ssd) as local:
         out["embedded_ssd_slots"] = local.store.ssd.num_slots if local.store.ssd is not None else 0
@@ -281,8 +289,8 @@ def run_lookup(args: argparse.Namespace) -> dict:
                         here: list[float] = []
                         before = service_probe_seconds(meta)
                         for _ in range(rounds):
-                            remote += time_calls(lambda: pool.probe(keys), per_round)
-                            here += time_calls(lambda: local.probe(keys), per_round)
+                            remote += time_calls(lambda: pool.probe(keys), per_round, gap)
+                            here += time_calls(lambda: local.probe(keys), per_round, gap)
                         after = service_probe_seconds(meta)
                         in_store = (after[0] - before[0]) / max(1.0, after[1] - before[1])
                         out["rows"].append({"transport": transport, "block": b, "keys": len(keys),
@@ -291,7 +299,7 @@ def run_lookup(args: argparse.Namespace) -> dict:
                     try:
                         time_calls(ping.ping, 50)
                         out["rows"].append({"transport": transport, "block": 0, "keys": 0,
-                                            "service_s": time_calls(ping.ping, per_round * rounds),
+                                            "service_s": time_calls(ping.ping, per_round * rounds, gap),
                                             "embedded_s": []})
                     finally:
                         ping.close()
@@ -303,7 +311,8 @@ def run_lookup(args: argparse.Namespace) -> dict:
 
 def print_lookup(res: dict) -> None:
     print(f"\n## Lookup of a {res['tokens']}-token request through the meta service "
-          f"({res['reps']} calls each{', SSD tier on' if res.get('ssd') else ''})\n")
+          f"({res['reps']} calls each{', SSD tier on' if res.get('ssd') else ''}"
+          f"{', %g ms apart' % res['gap_ms'] if res.get('gap_ms') else ''})\n")
     print("| call | via | p50 (us) | p99 (us) | of which in the service's store, mean (us) | "
           "in process p50 / p99 (us) | service / in process (p50) | goal: p99 <= 1000 us |")
     print("|---|---|---|---|---|---|---|---|")
@@ -857,6 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=1000, help="lookup: calls per measure")
     ap.add_argument("--ssd", action="store_true",
                     help=f"lookup: the service and the store in this process with an SSD tier ({SSD_SIZE} file)")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="lookup: pause between calls, not timed (0: back to back)")
     ap.add_argument("--seconds", type=float, default=10.0, help="scale: seconds per number of instances")
     ap.add_argument("--clients", default="1,2,4", help="scale: numbers of client processes")
     ap.add_argument("--transport", choices=("tcp", "unix"), default="tcp", help="scale: the service's socket")

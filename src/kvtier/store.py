@@ -345,11 +345,15 @@ class TieredStore:
         """Number of leading ``keys`` readable from DRAM now. Refreshes their recency."""
         return self.probe(keys).ready
 
-    def probe(self, keys: Sequence[bytes]) -> Probe:
+    def probe(self, keys: Sequence[bytes], *, refresh: bool = True) -> Probe:
         """Leading ``keys`` held, refreshing their recency. A block counted
         as readable in DRAM stays readable there until the caller pins it
         (its pending "free once on SSD" is cancelled): the caller tells vLLM
-        about the hit before it can pin it."""
+        about the hit before it can pin it.
+
+        ``refresh=False``: the recency of the keys counted is left to a call
+        of :meth:`refresh` the caller makes soon after (the meta service makes
+        it once its answer is sent: the LRU's part is a third of a probe)."""
         absent = False  # the run stopped at a key held nowhere in the node pool
         # A 64k-token prompt of 16-token blocks is 4,096 keys, and the lookup
         # runs on vLLM's scheduler thread (or in the meta service for every
@@ -409,16 +413,9 @@ class TieredStore:
                 break  # PENDING: being written, not readable yet
             self._c.lookups += 1
             self._c.lookup_hits += total
-            if total:
-                counted = keys[:total]
+            if total and refresh:
                 # Without a key found on SSD only, every key counted is in DRAM (in the policy).
-                self._policy.touch(counted, all_held=not ssd_only)
-                if self._dirty_ordered and len(entries) < self._clean_mark - self._clean_slack:
-                    self._dirty_ordered = False  # far below the clean mark: see _clean_locked
-                if self._dirty_ordered and self._dirty:
-                    self._dirty.touch(counted)
-                if ssd:
-                    ssd.touch(counted)
+                self._refresh_locked(keys[:total], all_held=not ssd_only)
         if self._cluster is None or not absent:
             return Probe(ready, total)
         # Then the cluster tier, outside the lock (a remote call, bounded by
@@ -426,6 +423,23 @@ class TieredStore:
         # are fetched by promote().
         remote = self._cluster.lookup(keys[total : total + self._cluster_lookup])
         return Probe(ready, total + remote, remote)
+
+    def refresh(self, keys: Sequence[bytes]) -> None:
+        """Make the held ones of ``keys`` (the run a ``probe(refresh=False)``
+        counted) the most recently used, the first most of all. Keys that
+        left the node pool since are passed over."""
+        if keys:
+            with self._lock:
+                self._refresh_locked(keys, all_held=True)
+
+    def _refresh_locked(self, keys: Sequence[bytes], all_held: bool) -> None:
+        self._policy.touch(keys, all_held=all_held)
+        if self._dirty_ordered and len(self._entries) < self._clean_mark - self._clean_slack:
+            self._dirty_ordered = False  # far below the clean mark: see _clean_locked
+        if self._dirty_ordered and self._dirty:
+            self._dirty.touch(keys)
+        if self._ssd_entries:
+            self._ssd_entries.touch(keys)
 
     def promote(self, keys: Sequence[bytes]) -> int:
         """Start reading the SSD-only ``keys`` into DRAM; returns how many of

@@ -163,10 +163,10 @@ def probe_checks_odd_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     probe = TieredStore.probe
     calls = [0]
 
-    def checked(self: TieredStore, keys):  # type: ignore[no-untyped-def]
+    def checked(self: TieredStore, keys, **kw):  # type: ignore[no-untyped-def]
         calls[0] += 1
         if len(self._entries) <= 20_000 or calls[0] % 64 == 0:
             assert self.odd_keys_consistent(), "the store's odd set differs from its entries"
-        return probe(self, keys)
+        return probe(self, keys, **kw)
 
     monkeypatch.setattr(TieredStore, "probe", checked)

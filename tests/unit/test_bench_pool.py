@@ -56,14 +56,25 @@ def test_sets_pool_in_order_so_pairs_stay_aligned(pool):
 def test_lookup_with_the_ssd_tier_runs_both_stores_with_one(pool):
     # A short run: 64 keys of 16-token blocks and 16 of 64, 10 probes each,
     # through a meta service on each transport and in this process.
-    args = argparse.Namespace(tokens=1024, reps=10, ssd=True)
+    args = argparse.Namespace(tokens=1024, reps=10, ssd=True, gap_ms=0.5)
     out = pool.run_lookup(args)
+    assert out["gap_ms"] == 0.5
     assert out["embedded_ssd_slots"] > 0
     assert set(out["ssd_bytes"]) == {"unix", "tcp"} and min(out["ssd_bytes"].values()) > 0
     probes = [r for r in out["rows"] if r["keys"]]
     assert sorted((r["transport"], r["keys"]) for r in probes) == [("tcp", 16), ("tcp", 64), ("unix", 16),
                                                                   ("unix", 64)]
     assert all(len(r["service_s"]) == len(r["embedded_s"]) == 10 for r in probes)
+
+
+def test_timed_calls_pause_between_calls_outside_the_timing(pool, monkeypatch):
+    events = []
+    monkeypatch.setattr(pool.time, "sleep", lambda s: events.append(("sleep", s)))
+    assert len(pool.time_calls(lambda: events.append("call"), 3, 0.002)) == 3
+    assert events == ["call", ("sleep", 0.002)] * 3
+    events.clear()
+    pool.time_calls(lambda: events.append("call"), 2)
+    assert events == ["call", "call"]
 
 
 def test_a_store_that_fails_to_open_leaves_no_folder(pool, monkeypatch):

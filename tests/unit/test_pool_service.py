@@ -117,6 +117,23 @@ def test_a_block_saved_by_one_instance_is_found_and_pinned_by_another(service: M
     b.shutdown()
 
 
+def test_a_prefix_another_instance_looked_up_outlives_newer_blocks_under_pressure(service: MetaService) -> None:
+    # The service answers a probe before it refreshes the run's recency: the
+    # refresh must still happen, before the session's next call.
+    a, b = client(service, name="a"), client(service, name="b")
+    old, newer = keys(30, 20), keys(31, 20)
+    save(a, old, step=1)
+    save(a, newer, step=2)
+    assert b.probe(old).ready == 20
+    b.flush()  # a call after the probe on the same connection: answered once the refresh is done
+    step = 3
+    while all(map(service.store.contains, newer)) and step < 40:  # fill until the pool evicts
+        save(a, keys(100 + step, 4), step=step)
+        step += 1
+    assert not all(map(service.store.contains, newer)), "the pool never evicted"
+    assert b.probe(old).ready == 20
+
+
 def test_the_service_keeps_its_arena_warm_at_the_configured_interval(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()

@@ -342,6 +342,21 @@ def test_policy_order_after_saves_and_lookups(make_store) -> None:
     assert K(10) not in list(policy.victims())
 
 
+def test_a_probe_without_refresh_leaves_the_order_to_a_later_refresh(make_store) -> None:
+    policy = LruPolicy()
+    store = make_store(policy=policy)
+    a = [K(0), K(1), K(2)]
+    b = [K(10), K(11)]
+    save_ready(store, a, step=0)
+    save_ready(store, b, step=1)
+    before = list(policy.victims())
+    assert store.probe(a + [K(99)], refresh=False).ready == 3  # what the meta service answers first
+    assert list(policy.victims()) == before
+    store.discard([K(1)])  # gone between the answer and the refresh: passed over
+    store.refresh(a)
+    assert list(policy.victims()) == [K(11), K(10), K(2), K(0)]
+
+
 # --- discard and statistics -------------------------------------------------
 
 

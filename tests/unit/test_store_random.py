@@ -4,7 +4,8 @@ The store's probe counts leading plain READY keys by C calls over a set it
 keeps of the keys that are not (store.py, ``_odd``). Here two owners make
 random calls (saves, completed and failed steps, pins, promotions,
 discards, doomed steps, abandoned saves, ended sessions, resets, expired
-pins) on a real arena of 24 slots over an SSD tier of 40 whose writes fail
+pins, probes whose recency is refreshed some calls later, as the meta
+service refreshes after its answer) on a real arena of 24 slots over an SSD tier of 40 whose writes fail
 at random while some runs. Before every call the set must match the
 entries, and every probe must give what the plain walk over the entries
 gives (``expected_probe``): leading keys READY in DRAM (ready), then
@@ -74,6 +75,7 @@ def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> 
     steps = {0: 0, 1: 0}
     open_steps: dict[int, list[tuple[int, list[int]]]] = {0: [], 1: []}
     probes = 0
+    unrefreshed: list[list[bytes]] = []  # runs of probes made as the meta service makes them, refreshed later
 
     def run_of(longest: int) -> list[bytes]:
         start = rng.randrange(len(KEYS))
@@ -82,17 +84,22 @@ def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> 
     for i in range(calls):
         with store._lock:
             assert store.odd_keys_consistent(), f"call {i}: the odd set differs from the entries"
+        if unrefreshed and rng.random() < 0.3:
+            store.refresh(unrefreshed.pop(0))  # some of its keys may have gone since its probe
         owner = rng.choice([0, 1])
         x = rng.random()
         if x < 0.3:
             keys = run_of(12)
             if rng.random() < 0.2:
                 keys += keys[:3]  # a key asked twice
+            refresh = rng.random() < 0.5
             with store._lock:
                 want = expected_probe(store, keys)
-                got = store.probe(keys)
+                got = store.probe(keys, refresh=refresh)
             assert (got.ready, got.total) == want, f"call {i}: probe {got} where the entries say {want}"
             probes += 1
+            if not refresh:
+                unrefreshed.append(keys[: got.total])
         elif x < 0.55:
             keys = run_of(10)
             step = steps[owner]
