@@ -353,7 +353,8 @@ class TieredStore:
 
         ``refresh=False``: the recency of the keys counted is left to a call
         of :meth:`refresh` the caller makes soon after (the meta service makes
-        it once its answer is sent: the LRU's part is a third of a probe)."""
+        it once its answer is sent: the moves in the LRU and the SSD index
+        are near half a probe of fresh keys)."""
         absent = False  # the run stopped at a key held nowhere in the node pool
         # A 64k-token prompt of 16-token blocks is 4,096 keys, and the lookup
         # runs on vLLM's scheduler thread (or in the meta service for every

@@ -482,7 +482,7 @@ class MetaService:
         if isinstance(msg, wire.Probe):
             keys = wire.unpack_keys(msg.keys)
             # The recency of the run found is refreshed after the answer is
-            # sent (a third of the probe's time for 4,096 keys): the instance's
+            # sent (near half the probe's time for 4,096 keys): the instance's
             # scheduler waits for the count only.
             p = store.probe(keys, refresh=False)
             run = keys[: p.total - p.remote]
