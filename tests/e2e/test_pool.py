@@ -5,8 +5,8 @@ The service is started from MemCache-style config files, as the seeds do
 transfer config names only the connector and ``"backend": "memcache"``.
 Tests run in file order and share the processes: a prefix from A is a hit
 on B, from DRAM, then from the SSD once the pool has moved it there; the
-service is killed with -9 while both instances load and comes
-back with its SSD tier; then instance B is killed with -9 while it saves,
+service is killed with -9 while an instance holds pins for a load (both
+instances stopped at that moment) and comes back with its SSD tier; then instance B is killed with -9 while it saves,
 and the service gives back everything B held.
 """
 
@@ -96,14 +96,31 @@ class Node:
             time.sleep(0.2)
 
 
-def wait_running(*servers: VllmServer, timeout_s: float = 120) -> None:
-    """Until one of ``servers`` runs a request (vLLM's own gauge)."""
+def freeze_while_pinned(node: Node, servers: list[VllmServer], timeout_s: float = 120) -> list[int]:
+    """Stop every process of ``servers`` (SIGSTOP) at a moment the pool
+    holds pins for a load (taken by an instance's scheduler, released when
+    its step completes) and return the processes stopped: a kill of the
+    service that follows lands while a load's lease is out, for sure."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(s.metrics().get("vllm:num_requests_running", 0) > 0 for s in servers):
-            return
-        time.sleep(0.05)
-    raise AssertionError("no request started running")
+        if node.meta.health()["slots"]["pins"]:
+            pids = [p for srv in servers for p in srv.pids()]
+            signal_pids(pids, signal.SIGSTOP)
+            try:
+                # What they sent before they stopped is handled once two
+                # looks a moment apart agree.
+                slots, prev = node.meta.health()["slots"], None
+                while slots != prev:
+                    time.sleep(0.3)
+                    prev, slots = slots, node.meta.health()["slots"]
+            except BaseException:
+                signal_pids(pids, signal.SIGCONT)
+                raise
+            if slots["pins"]:
+                return pids
+            signal_pids(pids, signal.SIGCONT)  # the step completed in between: again
+        time.sleep(0.005)
+    raise AssertionError("the pool never held a pin for a load")
 
 
 RECONNECTED = "kvtier: reconnected to the meta service"
@@ -225,15 +242,38 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
         srv = b if i % 2 else a
         results[i] = complete(srv, prompts[i % 6], max_tokens=48)["text"]
 
-    with ThreadPoolExecutor(12) as pool:
+    # Until the freeze, B also loads prompts 1, 3 and 5 again and again, its
+    # device cache emptied before each (a reset fails while requests run:
+    # that request is then a device hit), so that pins come until caught.
+    frozen = threading.Event()
+    fed: list[tuple[int, str]] = []
+
+    def feed() -> None:
+        k = 1
+        while not frozen.is_set():
+            b.reset_prefix_cache()
+            fed.append((k, complete(b, prompts[k], max_tokens=48)["text"]))
+            k = k + 2 if k < 5 else 1
+
+    with ThreadPoolExecutor(13) as pool:
         futs = [pool.submit(ask, i) for i in range(12)]
         start.set()
-        wait_running(a, b)  # requests are in flight: lookups and loads run
-        node.meta.kill()
+        futs.append(pool.submit(feed))
+        # Both engines stopped while a load's pins are held: the service is
+        # killed between a pin and the step's completion.
+        try:
+            stopped = freeze_while_pinned(node, [a, b])
+        finally:
+            frozen.set()
+        try:
+            node.meta.kill()
+        finally:
+            signal_pids(stopped, signal.SIGCONT)
         for f in futs:
             f.result()
     # Every request completed, with the output vLLM alone gives.
     assert results == [refs[i % 6] for i in range(12)]
+    assert all(text == refs[k] for k, text in fed)
     assert httpx.get(a.url + "/health", timeout=5).status_code == 200
     assert httpx.get(b.url + "/health", timeout=5).status_code == 200
     # With the service gone, lookups miss at once and engines serve on.
