@@ -13,6 +13,8 @@ Three measurements, each against a peer measured in the same run:
   a call is the wire (MessagePack both ways, the socket, two threads
   waking). Also the round trip of an empty request (``Ping``) on a raw
   session, the wire alone. Goal: p99 <= 1 ms through the service.
+  Then the load's next call, the pin of the 4,096 keys (each pin's step
+  completed, not timed, before the next), the same ways.
   ``--gap-ms``: a pause between calls, not timed (a scheduler probes a
   request, then runs steps); back to back, a probe also waits for the
   service to finish refreshing the previous probe's run.
@@ -250,11 +252,28 @@ def time_calls(fn: Callable[[], object], n: int, gap_s: float = 0.0) -> list[flo
     return out
 
 
-def service_probe_seconds(meta: MetaProcess) -> tuple[float, float]:
-    """(seconds, calls) the service has spent in its store on Probe so far (its /metrics)."""
+def service_probe_seconds(meta: MetaProcess, call: str = "Probe") -> tuple[float, float]:
+    """(seconds, calls) the service has spent in its store on ``call`` so far (its /metrics)."""
     m = parse_metrics(httpx.get(meta.metrics_url + "/metrics", timeout=10).text)
-    return (m.get('kvtier_pool_rpc_seconds_sum{call="Probe"}', 0.0),
-            m.get('kvtier_pool_rpc_seconds_count{call="Probe"}', 0.0))
+    return (m.get(f'kvtier_pool_rpc_seconds_sum{{call="{call}"}}', 0.0),
+            m.get(f'kvtier_pool_rpc_seconds_count{{call="{call}"}}', 0.0))
+
+
+def time_pins(placement: Placement, keys: list[bytes], n: int, first_step: int, gap_s: float) -> list[float]:
+    """Seconds of each of ``n`` pins of ``keys``, each for a step of its own
+    that is completed (not timed) before the next pin, as a load's step is."""
+    out = []
+    for step in range(first_step, first_step + n):
+        t = time.perf_counter()
+        slots = placement.pin(keys, step)
+        out.append(time.perf_counter() - t)
+        assert None not in slots, "a block of the request was not pinned"
+        placement.complete_step(step)
+        if isinstance(placement, PoolPlacement):
+            placement.flush()  # the service has unpinned them: the next pin starts from the same state
+        if gap_s:
+            time.sleep(gap_s)
+    return out
 
 
 def run_lookup(args: argparse.Namespace) -> dict:
@@ -295,6 +314,18 @@ def run_lookup(args: argparse.Namespace) -> dict:
                         in_store = (after[0] - before[0]) / max(1.0, after[1] - before[1])
                         out["rows"].append({"transport": transport, "block": b, "keys": len(keys),
                                             "service_s": remote, "embedded_s": here, "in_store_s": in_store})
+                    # The load's next call: the scheduler pins the blocks it found.
+                    keys = requests[blocks[0]]
+                    remote, here = [], []
+                    before = service_probe_seconds(meta, "Pin")
+                    for r in range(rounds):
+                        first = 1000 + r * per_round
+                        remote += time_pins(pool, keys, per_round, first, gap)
+                        here += time_pins(local, keys, per_round, first, gap)
+                    after = service_probe_seconds(meta, "Pin")
+                    out["rows"].append({"transport": transport, "block": blocks[0], "keys": len(keys), "call": "pin",
+                                        "service_s": remote, "embedded_s": here,
+                                        "in_store_s": (after[0] - before[0]) / max(1.0, after[1] - before[1])})
                     ping = PingSession(meta.address)
                     try:
                         time_calls(ping.ping, 50)
@@ -323,9 +354,10 @@ def print_lookup(res: dict) -> None:
             print(f"| round trip alone (Ping) | {via} | {s50:.0f} | {s99:.0f} | | | | |")
             continue
         e50, e99 = percentiles_us(row["embedded_s"])
-        print(f"| probe {row['keys']} keys (block {row['block']}) | {via} | {s50:.0f} | {s99:.0f} | "
-              f"{row['in_store_s'] * 1e6:.0f} | {e50:.0f} / {e99:.0f} | {s50 / e50:.2f}x | "
-              f"{s99 / GOAL_LOOKUP_P99_US:.2f}x of budget |")
+        call = row.get("call", "probe")
+        goal = f"{s99 / GOAL_LOOKUP_P99_US:.2f}x of budget" if call == "probe" else ""
+        print(f"| {call} {row['keys']} keys (block {row['block']}) | {via} | {s50:.0f} | {s99:.0f} | "
+              f"{row['in_store_s'] * 1e6:.0f} | {e50:.0f} / {e99:.0f} | {s50 / e50:.2f}x | {goal} |")
 
 
 # --- scale ------------------------------------------------------------------------

@@ -61,10 +61,11 @@ def test_lookup_with_the_ssd_tier_runs_both_stores_with_one(pool):
     assert out["gap_ms"] == 0.5
     assert out["embedded_ssd_slots"] > 0
     assert set(out["ssd_bytes"]) == {"unix", "tcp"} and min(out["ssd_bytes"].values()) > 0
-    probes = [r for r in out["rows"] if r["keys"]]
-    assert sorted((r["transport"], r["keys"]) for r in probes) == [("tcp", 16), ("tcp", 64), ("unix", 16),
-                                                                  ("unix", 64)]
-    assert all(len(r["service_s"]) == len(r["embedded_s"]) == 10 for r in probes)
+    calls = [r for r in out["rows"] if r["keys"]]
+    assert sorted((r["transport"], r.get("call", "probe"), r["keys"]) for r in calls) == [
+        ("tcp", "pin", 64), ("tcp", "probe", 16), ("tcp", "probe", 64), ("unix", "pin", 64), ("unix", "probe", 16),
+        ("unix", "probe", 64)]
+    assert all(len(r["service_s"]) == len(r["embedded_s"]) == 10 for r in calls)
 
 
 def test_timed_calls_pause_between_calls_outside_the_timing(pool, monkeypatch):

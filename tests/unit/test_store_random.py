@@ -70,6 +70,16 @@ def expected_probe(store: TieredStore, keys: Sequence[bytes]) -> tuple[int, int]
     return ready, total
 
 
+def pin_counts(store: TieredStore) -> dict[bytes, int]:
+    """How many pins every key has, from the pins the store holds per owner and step."""
+    held: dict[bytes, int] = {}
+    for steps in store._pins.values():
+        for _, keys in steps.values():
+            for key in keys:
+                held[key] = held.get(key, 0) + 1
+    return held
+
+
 def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> int:
     """Random calls; returns the number of probes checked."""
     steps = {0: 0, 1: 0}
@@ -84,6 +94,8 @@ def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> 
     for i in range(calls):
         with store._lock:
             assert store.odd_keys_consistent(), f"call {i}: the odd set differs from the entries"
+            assert pin_counts(store) == {k: e.pins for k, e in store._entries.items() if e.pins}, \
+                f"call {i}: entries' pin counts differ from the pins held"
         if unrefreshed and rng.random() < 0.3:
             store.refresh(unrefreshed.pop(0))  # some of its keys may have gone since its probe
         owner = rng.choice([0, 1])
@@ -119,7 +131,14 @@ def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> 
             else:
                 store.complete_step(steps[owner], owner=owner)
         elif x < 0.82:
-            store.pin(run_of(6), steps[owner], owner=owner)
+            keys = run_of(6)
+            if rng.random() < 0.5:
+                keys = run_of(12)[: rng.randrange(1, 12)]  # often the run a probe just counted
+            with store._lock:
+                want = [e.slot if e is not None and e.state is EntryState.READY and not e.doomed else None
+                        for e in map(store._entries.get, keys)]
+                got_slots = store.pin(keys, steps[owner], owner=owner)
+            assert got_slots == want, f"call {i}: pin {got_slots} where the entries say {want}"
         elif x < 0.88:
             store.promote(run_of(8))
         elif x < 0.91:
