@@ -273,6 +273,14 @@ class TieredStore:
         # entries. Kept exact at every change of an entry's state, doomed or
         # evict_after (odd_keys_consistent, checked in the tests).
         self._odd: set[bytes] = set()
+        # Runs that probe(refresh=False) counted and whose recency is not
+        # refreshed yet (the meta service refreshes after its answer, with
+        # refresh()), with whether all their keys are in DRAM. Applied in
+        # order by refresh() and before anything reads a recency order
+        # (eviction, cleaning, republishing): a block a probe reported is as
+        # safe from another instance's eviction as if it had been touched
+        # under the probe's lock.
+        self._unrefreshed: list[tuple[Sequence[bytes], bool]] = []
 
         self.ssd = ssd
         # Key -> SSD slot, slot states (free, dirty: may hold a valid older
@@ -353,10 +361,11 @@ class TieredStore:
         (its pending "free once on SSD" is cancelled): the caller tells vLLM
         about the hit before it can pin it.
 
-        ``refresh=False``: the recency of the keys counted is left to a call
-        of :meth:`refresh` the caller makes soon after (the meta service makes
-        it once its answer is sent: the moves in the LRU and the SSD index
-        are near half a probe of fresh keys)."""
+        ``refresh=False``: the recency of the keys counted is refreshed by
+        the caller's call of :meth:`refresh` soon after (the meta service
+        makes it once its answer is sent: the moves in the LRU and the SSD
+        index are near half a probe of fresh keys), or before, by the store
+        itself, when anything reads the recency orders in between."""
         absent = False  # the run stopped at a key held nowhere in the node pool
         # A 64k-token prompt of 16-token blocks is 4,096 keys, and the lookup
         # runs on vLLM's scheduler thread (or in the meta service for every
@@ -416,9 +425,13 @@ class TieredStore:
                 break  # PENDING: being written, not readable yet
             self._c.lookups += 1
             self._c.lookup_hits += total
-            if total and refresh:
+            if total:
                 # Without a key found on SSD only, every key counted is in DRAM (in the policy).
-                self._refresh_locked(keys[:total], all_held=not ssd_only)
+                if not refresh:
+                    self._unrefreshed.append((keys[:total], not ssd_only))
+                else:
+                    self._flush_refreshes_locked()  # earlier runs first: they were looked up first
+                    self._refresh_locked(keys[:total], all_held=not ssd_only)
         if self._cluster is None or not absent:
             return Probe(ready, total)
         # Then the cluster tier, outside the lock (a remote call, bounded by
@@ -427,13 +440,19 @@ class TieredStore:
         remote = self._cluster.lookup(keys[total : total + self._cluster_lookup])
         return Probe(ready, total + remote, remote)
 
-    def refresh(self, keys: Sequence[bytes]) -> None:
-        """Make the held ones of ``keys`` (the run a ``probe(refresh=False)``
-        counted) the most recently used, the first most of all. Keys that
-        left the node pool since are passed over."""
-        if keys:
-            with self._lock:
-                self._refresh_locked(keys, all_held=True)
+    def refresh(self) -> None:
+        """Refresh the recency of the runs that ``probe(refresh=False)``
+        counted and that nothing has refreshed yet, in the order they were
+        counted: each run's keys become the most recently used, its first
+        key most of all. Keys that left the node pool since are passed over."""
+        with self._lock:
+            self._flush_refreshes_locked()
+
+    def _flush_refreshes_locked(self) -> None:
+        if self._unrefreshed:
+            runs, self._unrefreshed = self._unrefreshed, []
+            for keys, all_held in runs:
+                self._refresh_locked(keys, all_held)
 
     def _refresh_locked(self, keys: Sequence[bytes], all_held: bool) -> None:
         self._policy.touch(keys, all_held=all_held)
@@ -959,6 +978,7 @@ class TieredStore:
     def _clean_locked(self) -> None:
         if self.ssd is None or len(self._entries) <= self._clean_mark:
             return
+        self._flush_refreshes_locked()
         if not self._dirty_ordered:
             if self._dirty:
                 self._dirty.reorder_as(self._policy.in_order())
@@ -990,6 +1010,7 @@ class TieredStore:
             self._evict_to(max(0, self._low - n_new))
 
     def _evict_to(self, target: int) -> None:
+        self._flush_refreshes_locked()
         # Both walks are lazy and stop once DRAM is down to ``target``: they
         # look at the blocks freed plus the ones passed over (pinned, PENDING,
         # PROMOTING, being freed), not at the whole pool.
@@ -1103,6 +1124,7 @@ class TieredStore:
         # more can go now (all written or pinned; the high mark starts it again).
         # Their headers still name them until the slots are reused; reuse
         # first writes empty headers (SsdTier.write, step 1).
+        self._flush_refreshes_locked()
         want = min(len(self._ssd_entries) - target, self._ssd_batch)
         slots = self._ssd_entries.victims(want)
         if slots.size < want or len(self._ssd_entries) - slots.size <= target:
@@ -1299,6 +1321,7 @@ class TieredStore:
         # way out again); write-through publishes what DRAM holds again.
         if self._publish_on_evict:
             return []
+        self._flush_refreshes_locked()
         keys = list(self._policy.victims())  # coldest first
         keys.reverse()
         return keys

@@ -353,7 +353,9 @@ def test_a_probe_without_refresh_leaves_the_order_to_a_later_refresh(make_store)
     assert store.probe(a + [K(99)], refresh=False).ready == 3  # what the meta service answers first
     assert list(policy.victims()) == before
     store.discard([K(1)])  # gone between the answer and the refresh: passed over
-    store.refresh(a)
+    store.refresh()
+    assert list(policy.victims()) == [K(11), K(10), K(2), K(0)]
+    store.refresh()  # nothing left to refresh
     assert list(policy.victims()) == [K(11), K(10), K(2), K(0)]
 
 

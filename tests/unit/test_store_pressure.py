@@ -199,6 +199,22 @@ def test_a_probed_block_is_not_freed_by_its_demotion_before_it_is_pinned(make_st
     store.complete_step(9)
 
 
+def test_a_probed_block_outlives_an_eviction_that_comes_before_its_deferred_refresh(make_store) -> None:
+    # The meta service answers a probe before it refreshes the run's recency
+    # (probe(refresh=False), then refresh()); another instance's save that
+    # evicts in between must still find the run refreshed.
+    store = make_store()
+    save_each(store, KEYS[:8])  # 8 blocks, their SSD copies written: the coldest go first
+    assert store.probe([KEYS[0]], refresh=False) == Probe(1, 1)  # reported to vLLM as a hit ...
+    assert save(store, KEYS[8:10], 8) != [None, None]  # ... another instance's save evicts ...
+    assert not all(map(store.contains, KEYS[1:8]))
+    [slot] = store.pin([KEYS[0]], step=9)  # ... and the hit is still there to load
+    assert slot is not None and store.tier.verify(slot, KEYS[0], 0)
+    store.complete_step(9)
+    store.refresh()  # the service's own refresh, late: nothing changes
+    assert store.contains(KEYS[0])
+
+
 # --- saves that find no room (issue 7, item 8) --------------------------------------
 
 

@@ -478,14 +478,14 @@ class MetaService:
         s.calls += 1
         owner = s.id
         reply: wire.Reply
-        run: list[bytes] = []  # Probe: the keys counted, refreshed once the answer is sent
+        refresh = False  # Probe: the run counted is refreshed once the answer is sent
         if isinstance(msg, wire.Probe):
             keys = wire.unpack_keys(msg.keys)
             # The recency of the run found is refreshed after the answer is
             # sent (near half the probe's time for 4,096 keys): the instance's
             # scheduler waits for the count only.
             p = store.probe(keys, refresh=False)
-            run = keys[: p.total - p.remote]
+            refresh = p.total > p.remote
             with self._lock:
                 tally = self._lookups.setdefault(s.name, [0, 0, 0, 0])
                 tally[0] += len(keys)
@@ -526,16 +526,16 @@ class MetaService:
         else:  # pragma: no cover - the decoder admits only the types above
             raise wire.WireError(f"unexpected {type(msg).__name__}")
         spent = time.perf_counter() - t0
-        if run:
-            return reply, lambda: self._refresh(store, run, spent)
+        if refresh:
+            return reply, lambda: self._refresh(store, spent)
         if self.rpc_seconds is not None:
             self.rpc_seconds(type(msg).__name__, spent)
         return reply, None
 
-    def _refresh(self, store: TieredStore, run: list[bytes], spent: float) -> None:
+    def _refresh(self, store: TieredStore, spent: float) -> None:
         """A probe's second part, after its answer: the recency of the run it counted."""
         t0 = time.perf_counter()
-        store.refresh(run)
+        store.refresh()
         if self.rpc_seconds is not None:  # the probe's whole time in the service, the send left out
             self.rpc_seconds("Probe", spent + time.perf_counter() - t0)
 
