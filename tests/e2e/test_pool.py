@@ -110,13 +110,13 @@ def freeze_while_pinned(node: Node, servers: list[VllmServer], timeout_s: float 
                 # What they sent before they stopped is handled once two
                 # looks a moment apart agree.
                 slots, prev = node.meta.health()["slots"], None
-                while slots != prev:
+                while slots != prev and time.monotonic() < deadline:
                     time.sleep(0.3)
                     prev, slots = slots, node.meta.health()["slots"]
             except BaseException:
                 signal_pids(pids, signal.SIGCONT)
                 raise
-            if slots["pins"]:
+            if slots["pins"] and slots == prev:
                 return pids
             signal_pids(pids, signal.SIGCONT)  # the step completed in between: again
         time.sleep(0.005)
