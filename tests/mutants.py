@@ -88,9 +88,9 @@ MUTANTS = [
     Mutant("store: a block to be freed once on SSD counted by the lookup's fast path", "src/kvtier/store.py",
            "                e.evict_after = True\n                self._odd.add(key)\n",
            "                e.evict_after = True\n"),
-    Mutant("store: a block not plain READY pinned by the pin's fast path", "src/kvtier/store.py",
-           "            if all(entries) and not self._any_odd(keys):\n",
-           "            if all(entries):\n"),
+    Mutant("store: a block not plain READY pinned or unpinned by the fast path", "src/kvtier/store.py",
+           "        return entries, all(entries) and not (odd and any(map(odd.__contains__, keys)))\n",
+           "        return entries, all(entries)\n"),
 ]
 
 

@@ -533,8 +533,8 @@ class TieredStore:
             now = time.monotonic()
             _, pinned = self._pins.setdefault(owner, {}).setdefault(step, (now, []))
             self._progress.setdefault(owner, now)
-            entries = list(map(self._entries.get, keys))
-            if all(entries) and not self._any_odd(keys):
+            entries, plain = self._entries_of(keys)
+            if plain:
                 # Every key held and plain READY (the common case: the run a
                 # probe just counted): the lookups, slots and bookkeeping in
                 # C calls, a Python step per key for the count only.
@@ -823,14 +823,16 @@ class TieredStore:
                 n += 1
         return n
 
-    def _any_odd(self, keys: Sequence[bytes]) -> bool:
-        """Whether any of ``keys`` has a DRAM entry that is not plain READY."""
+    def _entries_of(self, keys: Sequence[bytes]) -> tuple[list[_Entry | None], bool]:
+        """The DRAM entries of ``keys`` (None where not held), and whether
+        every key is held and plain READY (none in the odd set), by C calls."""
+        entries = list(map(self._entries.get, keys))
         odd = self._odd
-        return bool(odd) and any(map(odd.__contains__, keys))
+        return entries, all(entries) and not (odd and any(map(odd.__contains__, keys)))
 
     def _unpin(self, keys: list[bytes]) -> None:
-        entries = list(map(self._entries.get, keys))
-        if all(entries) and not self._any_odd(keys):
+        entries, plain = self._entries_of(keys)
+        if plain:
             for e in entries:  # none doomed (doomed keys are odd): nothing to drop
                 e.pins -= 1
             return
