@@ -16,9 +16,13 @@ prompt, with fresh random slots and KV blocks each repetition:
   memcpy (bench/ttft.py ``memcpy_gbps``), the limits.
 
 Prints medians, GB/s and ratios to the copies alone and to memcpy.
+Copies are made as in the vLLM instances kvtier starts, streamed past the
+caches (kvtier.hostmem.streaming_copy_env: the script runs itself again
+with that setting); ``--glibc-default``: as glibc makes them by default,
+for the comparison.
 
 Usage: .venv/bin/python bench/blockcopy.py [--geometry bench] [--prompt-tokens 8192]
-       [--block 64] [--reps 15] [--kv-size 1GB] [--json out.json]
+       [--block 64] [--reps 15] [--kv-size 1GB] [--json out.json] [--glibc-default]
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from ttft import memcpy_gbps  # this machine's memcpy, the copies' limit
 
 from kvtier.config import parse_size
 from kvtier.connector.copy import gather_blocks, gather_sealed, scatter_checked, slot_matrix, written_runs
+from kvtier.hostmem import GLIBC_TUNABLES, NT_TUNABLE, streaming_copy_env, streaming_threshold
 from kvtier.layout import KvLayout, LayoutKind, block_major, kv_bytes_per_token
 from kvtier.tier.dram import DramTier, checksum, checksum_runs
 from kvtier.tools.model import GEOMETRIES
@@ -123,7 +128,8 @@ def run(args: argparse.Namespace) -> dict:
 
         nbytes = n * layout.block_bytes
         res: dict = {"geometry": args.geometry, "dtype": args.dtype, "blocks": n, "block_bytes": layout.block_bytes,
-                     "bytes": nbytes, "reps": args.reps, "memcpy_GBps": memcpy_gbps()}
+                     "bytes": nbytes, "reps": args.reps, "memcpy_GBps": memcpy_gbps(),
+                     "copies": copies_label()}
         res["load"] = loads()
         for name, fn in (("copies_only", copies_only), ("save_sealed", save_sealed),
                          ("save_then_seal", save_then_seal)):
@@ -136,11 +142,39 @@ def run(args: argparse.Namespace) -> dict:
         path.parent.rmdir()
 
 
+def copies_as_instances(glibc_default: bool = False) -> None:
+    """Run this script again (same interpreter and arguments) when its
+    copies would not stream as those of the vLLM instances kvtier starts
+    do (hostmem.streaming_copy_env), or, with ``glibc_default``, when they
+    would: glibc reads the setting once, when a process starts. A
+    threshold set in the environment is kept. For a script's own
+    ``__main__`` only."""
+    env = dict(os.environ)
+    if glibc_default:
+        if streaming_threshold(env) is None:
+            return
+        env[GLIBC_TUNABLES] = ":".join(item for item in env[GLIBC_TUNABLES].split(":")
+                                       if not item.startswith(NT_TUNABLE + "="))
+    else:
+        extra = streaming_copy_env(env)
+        if not extra:
+            return
+        env.update(extra)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def copies_label() -> str:
+    threshold = streaming_threshold()
+    return "glibc's default copies" if threshold is None else f"copies over {threshold:#x} bytes streamed"
+
+
 def report(res: dict) -> None:
     nbytes, memcpy = res["bytes"], res["memcpy_GBps"]
     copies = statistics.median(res["copies_only"])
     print(f"{res['blocks']} blocks of {res['block_bytes'] / 1024:.0f} KiB ({nbytes / 2**20:.1f} MiB), "
-          f"{res['geometry']} {res['dtype']}, median of {res['reps']}; memcpy {memcpy:.1f} GB/s")
+          f"{res['geometry']} {res['dtype']}, median of {res['reps']}; memcpy {memcpy:.1f} GB/s; "
+          f"{res.get('copies', copies_label())}")
     print(f"{'path':16s} {'ms':>7s} {'GB/s':>6s} {'x copies':>9s} {'x memcpy':>9s}")
     for name in ("copies_only", "load", "save_sealed", "save_then_seal"):
         t = statistics.median(res[name])
@@ -157,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--kv-size", default="1GB", help="vLLM's KV cache to pick blocks from")
     ap.add_argument("--json", type=Path, help="write the raw samples here")
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="copy as glibc does by default, through the caches, not as the vLLM instances kvtier "
+                         "starts do (copies of a block's layer streamed past them: kvtier.hostmem)")
     args = ap.parse_args(argv)
+    if __name__ == "__main__":
+        copies_as_instances(args.glibc_default)
     if args.reps < 1 or args.block < 1 or args.prompt_tokens <= args.block:
         ap.error("--reps and --block must be positive, --prompt-tokens larger than --block")
     res = run(args)

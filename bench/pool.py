@@ -956,4 +956,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from blockcopy import copies_as_instances
+
+    copies_as_instances()  # the load timed outside vLLM copies as the instances do
     sys.exit(main())

@@ -1,6 +1,7 @@
 """Host memory facts the DRAM tier depends on: free memory, the container's
 memory limit, hugetlbfs mounts, free huge pages; pinning host memory for
-device copies; and keeping host memory warm for the copies into it.
+device copies; keeping host memory warm for the copies into it; and
+glibc's setting that makes host copies stream past the caches.
 
 Facts are read from /proc and /sys at start-up (configuration checks,
 arena creation). :func:`pin_host_memory` runs in a worker process whose KV
@@ -17,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -328,6 +329,72 @@ def _memlock_limit() -> str:
 
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024} KiB"
+
+
+# Streaming copies. glibc's memmove writes copies of at least
+# glibc.cpu.x86_non_temporal_threshold bytes with non-temporal stores, which
+# skip reading the destination's cache lines first and leave the caches to
+# other work; below it, ``rep movsb`` or vector loops through the caches. The
+# default threshold is three quarters of the shared cache (99 MiB on the
+# test machine): every copy of a block's layer (tens to hundreds of KiB)
+# goes through the caches, though neither side is read again soon (a save's
+# slot is read by a later load, maybe on another instance; a load's blocks
+# are read once by the next forward pass). Lowered to 32 KiB, an 8k-token
+# load outside vLLM took 9.5-10.2 ms instead of 14.8-15.0 and a pool hit's
+# TTFT 1.04-1.11x a device hit instead of 1.19-1.31x (docs/benchmarks.md).
+# It is a setting of the whole process, read once when it starts: kvtier
+# sets it for the vLLM instances it starts (tools/server.py, kvtier serve),
+# and a worker says at start whether its copies get it.
+GLIBC_TUNABLES = "GLIBC_TUNABLES"
+NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+NT_THRESHOLD = 0x8000  # bytes: copies of 32 KiB and more stream
+NT_MIN_EXCLUSIVE = 0x4040  # glibc 2.36 keeps its default for a value at or below this
+
+
+def _tunables(value: str) -> list[tuple[str, str]]:
+    """``name=value`` pairs of a GLIBC_TUNABLES string (colon-separated)."""
+    return [tuple(item.split("=", 1)) for item in value.split(":") if "=" in item]  # type: ignore[misc]
+
+
+def streaming_copy_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to add to ``environ`` for a process whose block copies
+    should stream (:data:`NT_THRESHOLD`): GLIBC_TUNABLES with the threshold
+    appended to the tunables already there; nothing when ``environ``
+    already sets the threshold (the user's value is kept, whatever it is)."""
+    current = environ.get(GLIBC_TUNABLES, "")
+    if any(name == NT_TUNABLE for name, _ in _tunables(current)):
+        return {}
+    item = f"{NT_TUNABLE}={NT_THRESHOLD:#x}"
+    return {GLIBC_TUNABLES: f"{current}:{item}" if current else item}
+
+
+def streaming_threshold(environ: Mapping[str, str] | None = None) -> int | None:
+    """The non-temporal threshold glibc took from ``environ`` (this
+    process's by default) at start, or None where it keeps its default: the
+    tunable absent, not a number, or at or below glibc's minimum."""
+    environ = os.environ if environ is None else environ
+    for name, value in reversed(_tunables(environ.get(GLIBC_TUNABLES, ""))):
+        if name == NT_TUNABLE:
+            try:
+                n = int(value, 0)
+            except ValueError:
+                return None
+            return n if n > NT_MIN_EXCLUSIVE else None
+    return None
+
+
+def streaming_copies_line(copy_bytes: int, environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """Whether copies of ``copy_bytes`` (a block's layer) stream in this
+    process, and a line that says so, or says what to set for it."""
+    threshold = streaming_threshold(environ)
+    if threshold is not None and copy_bytes >= threshold:
+        return True, f"copies of {copy_bytes} bytes stream ({NT_TUNABLE}={threshold:#x})"
+    if copy_bytes <= NT_MIN_EXCLUSIVE:
+        return False, (f"copies of {copy_bytes} bytes go through the caches (glibc streams copies over "
+                       f"{NT_MIN_EXCLUSIVE:#x} bytes only)")
+    value = min(NT_THRESHOLD, copy_bytes)
+    return False, (f"copies of {copy_bytes} bytes go through the caches; loads and saves are faster with "
+                   f"{GLIBC_TUNABLES}={NT_TUNABLE}={value:#x} in vLLM's environment (docs/configuration.md)")
 
 
 WARM_INTERVAL_S = 5.0  # the warmers' interval on a virtual machine when not configured

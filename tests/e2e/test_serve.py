@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from kvtier.hostmem import NT_THRESHOLD, streaming_threshold
 from kvtier.tools.serve import STATE_FILE, process_start_time
 from kvtier.tools.server import parse_metrics, poll_until, session_pids, vllm_shm_files
 from tests.e2e.conftest import BLOCK, CHUNK, DEVICE_BLOCKS, assert_loads_succeeded, complete, delta, tokens
@@ -68,6 +69,11 @@ def test_serve_two_instances_one_pool_then_stop_leaves_nothing(tiny_model: str, 
         recorded = json.loads((logs / STATE_FILE).read_text())["processes"]
         instances = [p["pid"] for p in recorded if p["role"].startswith("vllm-")]
         segments = vllm_shm_files([pid for leader in instances for pid in session_pids(leader)])
+        for pid in instances:  # each instance's block copies stream past the caches (hostmem)
+            environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                           if "=" in item)
+            assert streaming_threshold(environ) == NT_THRESHOLD
+        assert "kvtier: copies of " in (logs / "vllm-0.log").read_text()  # the worker's line on them
         assert segments  # each instance's message queues
         arena = re.search(r"DRAM pool (\S+),", (logs / "meta.log").read_text()).group(1)
         assert os.path.exists(arena)

@@ -1,4 +1,5 @@
-"""kvtier.hostmem: the container's memory limit, read from fake cgroup trees (issue 7, item 13).
+"""kvtier.hostmem: the container's memory limit, read from fake cgroup trees (issue 7, item 13);
+pinning; the threshold that makes block copies stream, checked against glibc itself.
 
 Each test writes a mount table, a /proc/self/cgroup and the cgroup files a
 kernel would show, under a temporary directory.
@@ -6,9 +7,15 @@ kernel would show, under a temporary directory.
 
 from __future__ import annotations
 
+import re
+import subprocess
 from pathlib import Path
 
-from kvtier.hostmem import CgroupMemory, cgroup_memory_limit
+import pytest
+
+from kvtier.hostmem import (GLIBC_TUNABLES, NT_THRESHOLD, NT_TUNABLE, CgroupMemory, cgroup_memory_limit,
+                            streaming_copies_line, streaming_copy_env, streaming_threshold)
+from kvtier.tools.server import ServerOptions, VllmServer
 
 GiB = 1 << 30
 
@@ -218,3 +225,64 @@ def test_no_slot_spans_two_registrations() -> None:
     starts = [p - 0x7F0000000000 for p, _, _ in driver.registered]
     assert all(s % stride == 0 for s in starts) and len(starts) == 4  # 25 slots a part
     assert sum(n for _, n, _ in driver.registered) == 100 * stride
+
+
+# --- streaming copies (glibc's non-temporal threshold) ----------------------
+
+def test_the_threshold_is_added_beside_the_users_own_tunables() -> None:
+    assert streaming_copy_env({}) == {GLIBC_TUNABLES: f"{NT_TUNABLE}=0x8000"}
+    assert streaming_copy_env({GLIBC_TUNABLES: "glibc.malloc.arena_max=2"}) == {
+        GLIBC_TUNABLES: f"glibc.malloc.arena_max=2:{NT_TUNABLE}=0x8000"}
+
+
+def test_a_threshold_the_user_set_is_kept_whatever_it_is() -> None:
+    for value in ("0x100000000", "0", "junk"):
+        assert streaming_copy_env({GLIBC_TUNABLES: f"glibc.malloc.arena_max=2:{NT_TUNABLE}={value}"}) == {}
+
+
+def test_the_threshold_read_as_glibc_takes_it() -> None:
+    assert streaming_threshold({}) is None
+    assert streaming_threshold({GLIBC_TUNABLES: f"{NT_TUNABLE}=0x8000"}) == 0x8000
+    assert streaming_threshold({GLIBC_TUNABLES: f"a=1:{NT_TUNABLE}=65536:b=2"}) == 65536
+    assert streaming_threshold({GLIBC_TUNABLES: f"{NT_TUNABLE}=0x4040"}) is None  # glibc keeps its default
+    assert streaming_threshold({GLIBC_TUNABLES: f"{NT_TUNABLE}=0x4041"}) == 0x4041
+    assert streaming_threshold({GLIBC_TUNABLES: f"{NT_TUNABLE}=many"}) is None
+    assert streaming_threshold({GLIBC_TUNABLES: f"{NT_TUNABLE}=0x8000:{NT_TUNABLE}=0x10000"}) == 0x10000  # last
+
+
+def test_the_workers_line_says_whether_its_copies_stream_and_what_to_set() -> None:
+    env = streaming_copy_env({})
+    assert streaming_copies_line(131072, env) == (True, f"copies of 131072 bytes stream ({NT_TUNABLE}=0x8000)")
+    streams, line = streaming_copies_line(131072, {})
+    assert not streams and f"{GLIBC_TUNABLES}={NT_TUNABLE}=0x8000" in line
+    streams, line = streaming_copies_line(20000, env)  # under kvtier's threshold: the line names one that fits
+    assert not streams and f"{NT_TUNABLE}={20000:#x}" in line
+    streams, line = streaming_copies_line(8192, env)
+    assert not streams and "over 0x4040 bytes only" in line
+
+
+LD_SO = Path("/lib64/ld-linux-x86-64.so.2")
+
+
+def _glibc_threshold(env: dict[str, str]) -> int:
+    out = subprocess.run([str(LD_SO), "--list-tunables"], env=env, capture_output=True, text=True, check=True).stdout
+    return int(re.search(rf"^{re.escape(NT_TUNABLE)}: (0x[0-9a-f]+)", out, re.M).group(1), 16)
+
+
+@pytest.mark.skipif(not LD_SO.exists() or subprocess.run([str(LD_SO), "--list-tunables"],
+                                                         capture_output=True).returncode != 0,
+                    reason="no x86-64 glibc that lists its tunables (2.33 or later)")
+def test_glibc_itself_takes_the_threshold_kvtier_sets_and_agrees_with_the_reading() -> None:
+    default = _glibc_threshold({})
+    assert _glibc_threshold(streaming_copy_env({})) == NT_THRESHOLD != default
+    for value in (0x4040, 0x4041, 0x10000):
+        env = {GLIBC_TUNABLES: f"{NT_TUNABLE}={value:#x}"}
+        assert _glibc_threshold(env) == (streaming_threshold(env) or default), hex(value)
+
+
+def test_every_vllm_instance_started_gets_the_threshold_unless_one_is_set(monkeypatch) -> None:
+    monkeypatch.delenv(GLIBC_TUNABLES, raising=False)
+    opts = ServerOptions(model="m")
+    assert streaming_threshold(VllmServer(opts, port=1).environment()) == NT_THRESHOLD
+    own = ServerOptions(model="m", env={GLIBC_TUNABLES: f"{NT_TUNABLE}=0x20000"})
+    assert VllmServer(own, port=1).environment()[GLIBC_TUNABLES] == f"{NT_TUNABLE}=0x20000"

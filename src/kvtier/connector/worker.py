@@ -75,7 +75,7 @@ from kvtier.connector.copy import (
 )
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import KvtierStats
-from kvtier.hostmem import PageWarmer, PinnedRegion, pin_host_memory
+from kvtier.hostmem import PageWarmer, PinnedRegion, pin_host_memory, streaming_copies_line
 from kvtier.layout import KvLayout, LayoutKind
 from kvtier.tier.dram import DramTier, checksum, checksum_runs
 
@@ -160,8 +160,11 @@ class WorkerSide:
         device = self._layers[0].device
         if device.type == "cuda":
             self._copies = StreamCopies(device)
-        elif device.type == "cpu" and self.warm_interval_s > 0:
-            self._warm(list(kv_caches.values()))
+        elif device.type == "cpu":
+            if self.warm_interval_s > 0:
+                self._warm(list(kv_caches.values()))
+            if self.rank == 0:
+                log.info("kvtier: %s", streaming_copies_line(layout.layer_block_bytes)[1])
         log.info("kvtier: %d layers, %s layout%s, %d bytes per block per layer, %s copies",
                  len(self._layers), layout.kind.value,
                  f" ({layout.kernel_blocks} kernel blocks per block)" if layout.kernel_blocks > 1 else "",

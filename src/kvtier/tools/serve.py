@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from kvtier.hostmem import streaming_copy_env
 from kvtier.tools.meta import MetaProcess
 from kvtier.tools.server import (ServerError, free_port, log_tail, poll_until, remove_files, session_pids, signal_pids,
                                  stop_group, vllm_shm_files)
@@ -235,6 +236,7 @@ class Serve:
         self.out(f"meta service  {self.meta.address}   metrics {self.meta.metrics_url}/metrics")
         env = dict(os.environ)
         env.update(self.meta.env_for_clients())
+        env.update(streaming_copy_env(env))  # block copies past the caches (hostmem), unless set already
         # Started one after another: on a small host parallel start-ups only
         # compete for the same cores; each must be up before the next.
         for i in range(self.n):

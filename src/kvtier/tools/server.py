@@ -25,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from kvtier.hostmem import streaming_copy_env
+
 
 def poll_until(cond: Callable[[], object], timeout_s: float, interval_s: float = 0.1) -> bool:
     """Check ``cond()`` every ``interval_s`` until it holds (True) or
@@ -204,7 +206,9 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
         self.shm_files: set[str] = set()  # vLLM's segments its processes mapped (for stop)
 
-    def start(self) -> VllmServer:
+    def environment(self) -> dict[str, str]:
+        """The instance's environment: this process's, vLLM's settings for
+        a small host where unset, then ``options.env``."""
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
@@ -215,6 +219,14 @@ class VllmServer:
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         env.update(self.options.env)
+        # Every instance, with kvtier or without (the peers it is measured
+        # against), with block copies that stream past the caches
+        # (hostmem.streaming_copy_env); a threshold already set is kept.
+        env.update(streaming_copy_env(env))
+        return env
+
+    def start(self) -> VllmServer:
+        env = self.environment()
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.options.argv(self.port), stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
