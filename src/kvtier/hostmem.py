@@ -335,8 +335,8 @@ def _memlock_limit() -> str:
 # glibc.cpu.x86_non_temporal_threshold bytes with non-temporal stores, which
 # skip reading the destination's cache lines first and leave the caches to
 # other work; below it, ``rep movsb`` or vector loops through the caches. The
-# default threshold is three quarters of the shared cache (99 MiB on the
-# test machine): every copy of a block's layer (tens to hundreds of KiB)
+# default threshold is worked out from the cache sizes (99 MiB on the test
+# machine): every copy of a block's layer (tens to hundreds of KiB)
 # goes through the caches, though neither side is read again soon (a save's
 # slot is read by a later load, maybe on another instance; a load's blocks
 # are read once by the next forward pass). Lowered to 32 KiB, an 8k-token
