@@ -340,8 +340,10 @@ def _memlock_limit() -> str:
 # goes through the caches, though neither side is read again soon (a save's
 # slot is read by a later load, maybe on another instance; a load's blocks
 # are read once by the next forward pass). Lowered to 32 KiB, an 8k-token
-# load outside vLLM took 9.5-10.2 ms instead of 14.8-15.0 and a pool hit's
-# TTFT 1.04-1.11x a device hit instead of 1.19-1.31x (docs/benchmarks.md).
+# load outside vLLM took 9.9-11.4 ms instead of 14.5-15.0 and a pool hit's
+# TTFT 1.04-1.13x a device hit instead of 1.14-1.30x (docs/benchmarks.md).
+# glibc 2.36-2.38 on AMD CPUs keeps ``rep movsb`` for copies under the L2
+# size whatever the threshold; the docs say so.
 # It is a setting of the whole process, read once when it starts: kvtier
 # sets it for the vLLM instances it starts (tools/server.py, kvtier serve),
 # and a worker says at start whether its copies get it.
@@ -384,11 +386,13 @@ def streaming_threshold(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def streaming_copies_line(copy_bytes: int, environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
-    """Whether copies of ``copy_bytes`` (a block's layer) stream in this
-    process, and a line that says so, or says what to set for it."""
+    """Whether copies of ``copy_bytes`` (a block's layer) reach glibc's
+    non-temporal threshold in this process, and a line that says so, or
+    says what to set for it."""
     threshold = streaming_threshold(environ)
     if threshold is not None and copy_bytes >= threshold:
-        return True, f"copies of {copy_bytes} bytes stream ({NT_TUNABLE}={threshold:#x})"
+        return True, (f"copies of {copy_bytes} bytes reach glibc's non-temporal threshold "
+                      f"({NT_TUNABLE}={threshold:#x}): they stream past the caches")
     if copy_bytes <= NT_MIN_EXCLUSIVE:
         return False, (f"copies of {copy_bytes} bytes go through the caches (glibc streams copies over "
                        f"{NT_MIN_EXCLUSIVE:#x} bytes only)")

@@ -252,7 +252,8 @@ def test_the_threshold_read_as_glibc_takes_it() -> None:
 
 def test_the_workers_line_says_whether_its_copies_stream_and_what_to_set() -> None:
     env = streaming_copy_env({})
-    assert streaming_copies_line(131072, env) == (True, f"copies of 131072 bytes stream ({NT_TUNABLE}=0x8000)")
+    assert streaming_copies_line(131072, env) == (True, "copies of 131072 bytes reach glibc's non-temporal "
+                                                  f"threshold ({NT_TUNABLE}=0x8000): they stream past the caches")
     streams, line = streaming_copies_line(131072, {})
     assert not streams and f"{GLIBC_TUNABLES}={NT_TUNABLE}=0x8000" in line
     streams, line = streaming_copies_line(20000, env)  # under kvtier's threshold: the line names one that fits

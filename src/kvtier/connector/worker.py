@@ -163,7 +163,7 @@ class WorkerSide:
         elif device.type == "cpu":
             if self.warm_interval_s > 0:
                 self._warm(list(kv_caches.values()))
-            if self.rank == 0:
+            if self.rank == 0 and can_check_while_copying(self._layers, layout):  # copies by memmove
                 log.info("kvtier: %s", streaming_copies_line(layout.layer_block_bytes)[1])
         log.info("kvtier: %d layers, %s layout%s, %d bytes per block per layer, %s copies",
                  len(self._layers), layout.kind.value,
