@@ -346,19 +346,31 @@ def freeze_while_saving(srv: VllmServer, node: Node, timeout_s: float = 120) -> 
 def test_killed_instance_leaves_nothing_held_and_the_other_keeps_hitting(node: Node) -> None:
     a, b = node.servers["a"], node.servers["b"]
     assert len(node.wait_clients(2)["clients"]) == 2
-    long_prompts = [tokens(70 + i, 30 * BLOCK + 7) for i in range(4)]
+    # Four requests at a time, each a fresh prompt, until B is frozen: its
+    # saves keep coming until one is caught pending (a step's saves are
+    # pending only for that step, and a few steps can all fall between two
+    # looks).
+    frozen = threading.Event()
+    seeds = iter(range(1000, 10**6))
+    lock = threading.Lock()
 
-    def ask(p: list[int]) -> None:
-        try:
-            complete(b, p, max_tokens=64)
-        except (httpx.HTTPError, AssertionError):
-            pass  # the server dies under it
+    def ask() -> None:
+        while not frozen.is_set():
+            with lock:
+                seed = next(seeds)
+            try:
+                complete(b, tokens(seed, 30 * BLOCK + 7), max_tokens=64)
+            except (httpx.HTTPError, AssertionError):
+                return  # the server dies under it
 
     assert node.wait_released()["slots"]["held"] == 0  # nothing held from the tests before
-    threads = [threading.Thread(target=ask, args=(p,)) for p in long_prompts]
+    threads = [threading.Thread(target=ask) for _ in range(4)]
     for t in threads:
         t.start()
-    holding = freeze_while_saving(b, node)
+    try:
+        holding = freeze_while_saving(b, node)
+    finally:
+        frozen.set()
     mark = len(node.meta.log_text())
     b.kill()  # the API server and its engine, killed mid-save
     for t in threads:
