@@ -44,7 +44,7 @@ from ttft import memcpy_gbps  # this machine's memcpy, the copies' limit
 
 from kvtier.config import parse_size
 from kvtier.connector.copy import gather_blocks, gather_sealed, scatter_checked, slot_matrix, written_runs
-from kvtier.hostmem import GLIBC_TUNABLES, NT_TUNABLE, streaming_copy_env, streaming_threshold
+from kvtier.hostmem import streaming_copy_env, streaming_threshold, without_streaming
 from kvtier.layout import KvLayout, LayoutKind, block_major, kv_bytes_per_token
 from kvtier.tier.dram import DramTier, checksum, checksum_runs
 from kvtier.tools.model import GEOMETRIES
@@ -153,8 +153,7 @@ def copies_as_instances(glibc_default: bool = False) -> None:
     if glibc_default:
         if streaming_threshold(env) is None:
             return
-        env[GLIBC_TUNABLES] = ":".join(item for item in env[GLIBC_TUNABLES].split(":")
-                                       if not item.startswith(NT_TUNABLE + "="))
+        env = without_streaming(env)
     else:
         extra = streaming_copy_env(env)
         if not extra:

@@ -370,6 +370,17 @@ def streaming_copy_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {GLIBC_TUNABLES: f"{current}:{item}" if current else item}
 
 
+def without_streaming(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with the non-temporal threshold taken out of
+    GLIBC_TUNABLES (the variable gone when nothing else is left in it):
+    the environment of a process whose copies are glibc's default."""
+    env = dict(environ)
+    rest = [f"{name}={value}" for name, value in _tunables(env.pop(GLIBC_TUNABLES, "")) if name != NT_TUNABLE]
+    if rest:
+        env[GLIBC_TUNABLES] = ":".join(rest)
+    return env
+
+
 def streaming_threshold(environ: Mapping[str, str] | None = None) -> int | None:
     """The non-temporal threshold glibc took from ``environ`` (this
     process's by default) at start, or None where it keeps its default: the

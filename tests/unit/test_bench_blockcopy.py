@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,3 +48,26 @@ def test_a_kv_cache_smaller_than_one_prompt_is_refused_by_name(blockcopy) -> Non
         blockcopy.main(["--geometry", "bench", "--kv-size", "1MB", "--reps", "1"])
     with pytest.raises(SystemExit):
         blockcopy.main(["--reps", "0"])
+
+
+@pytest.mark.parametrize("glibc_default", [False, True])
+def test_the_script_runs_again_with_the_copies_it_measures(glibc_default: bool) -> None:
+    """glibc reads its tunables once, at start: the script re-executes itself
+    with the instances' setting (or, with --glibc-default, without it),
+    keeping the user's other tunables."""
+    from kvtier.hostmem import GLIBC_TUNABLES, NT_TUNABLE, streaming_copy_env
+
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); import blockcopy; "
+            f"blockcopy.copies_as_instances({glibc_default}); "
+            "print(os.environ.get('GLIBC_TUNABLES'), blockcopy.copies_label(), sep='|')")
+    mine = "glibc.malloc.arena_max=2"
+    start = streaming_copy_env({GLIBC_TUNABLES: mine}) if glibc_default else {GLIBC_TUNABLES: mine}
+    env = {**os.environ, **start}
+    out = subprocess.run([sys.executable, "-c", code, str(BENCH)], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()
+    assert len(out) == 1  # printed once, by the process it became
+    tunables, label = out[0].split("|")
+    if glibc_default:
+        assert (tunables, label) == (mine, "glibc's default copies")
+    else:
+        assert (tunables, label) == (f"{mine}:{NT_TUNABLE}=0x8000", "copies over 0x8000 bytes streamed")

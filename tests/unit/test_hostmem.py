@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.hostmem import (GLIBC_TUNABLES, NT_THRESHOLD, NT_TUNABLE, CgroupMemory, cgroup_memory_limit,
-                            streaming_copies_line, streaming_copy_env, streaming_threshold)
+                            streaming_copies_line, streaming_copy_env, streaming_threshold, without_streaming)
 from kvtier.tools.server import ServerOptions, VllmServer
 
 GiB = 1 << 30
@@ -248,6 +248,15 @@ def test_the_threshold_read_as_glibc_takes_it() -> None:
     assert streaming_threshold({GLIBC_TUNABLES: f"{NT_TUNABLE}=0x4041"}) == 0x4041
     assert streaming_threshold({GLIBC_TUNABLES: f"{NT_TUNABLE}=many"}) is None
     assert streaming_threshold({GLIBC_TUNABLES: f"{NT_TUNABLE}=0x8000:{NT_TUNABLE}=0x10000"}) == 0x10000  # last
+
+
+def test_without_streaming_takes_out_the_threshold_and_keeps_the_rest() -> None:
+    env = {"PATH": "/bin", GLIBC_TUNABLES: f"glibc.malloc.arena_max=2:{NT_TUNABLE}=0x8000:glibc.pthread.rseq=0"}
+    assert without_streaming(env) == {"PATH": "/bin", GLIBC_TUNABLES: "glibc.malloc.arena_max=2:glibc.pthread.rseq=0"}
+    assert GLIBC_TUNABLES in env  # the caller's mapping is left alone
+    assert without_streaming({"PATH": "/bin", **streaming_copy_env({})}) == {"PATH": "/bin"}
+    assert without_streaming({GLIBC_TUNABLES: f"{NT_TUNABLE}=1:{NT_TUNABLE}=0x8000"}) == {}  # every occurrence
+    assert streaming_threshold(without_streaming(streaming_copy_env({GLIBC_TUNABLES: "a=1"}))) is None
 
 
 def test_the_workers_line_says_whether_its_copies_stream_and_what_to_set() -> None:
