@@ -130,6 +130,11 @@ class _Jobs:
         with self._idle:
             return self._idle.wait_for(lambda: not self._inflight, timeout_s)
 
+    def jobs(self) -> int:
+        """I/O jobs submitted and not ended (a job may submit the next before it ends)."""
+        with self._lock:
+            return len(self._inflight)
+
 
 class TierMover(_Jobs):
     """The I/O threads of one store and the moves running on them."""
@@ -143,6 +148,7 @@ class TierMover(_Jobs):
         self._ssd = ssd
         self._limit = demote_queue_blocks
         self.demoting = 0  # blocks handed to demote() whose write has not ended
+        self.promoting = 0  # blocks handed to promote() whose read has not ended
         # Back-off of SSD writes, counted in completed steps (step_done
         # calls), not wall time: after a failed batch cleaning starts no
         # write before step ``_resume``; ``_fails`` failed in a row.
@@ -189,6 +195,7 @@ class TierMover(_Jobs):
     def promote(self, jobs: list[PromoteJob]) -> None:
         """Read the blocks of ``jobs`` (PROMOTING entries) into their DRAM
         slots, ``PROMOTE_BATCH`` per job."""
+        self.promoting += len(jobs)
         for i in range(0, len(jobs), PROMOTE_BATCH):
             self._submit(self._promote, jobs[i : i + PROMOTE_BATCH])
 
@@ -304,6 +311,7 @@ class TierMover(_Jobs):
                 slot = self._host._end_promotion_locked(key, ok, io_error)
                 if slot is not None:
                     refused.append(slot)
+            self.promoting -= len(jobs)
         if refused:
             self._invalidate(refused)
 

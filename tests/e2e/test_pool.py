@@ -190,12 +190,15 @@ def test_a_prefix_prefilled_on_a_is_a_dram_hit_on_b(node: Node) -> None:
     assert pool_after.get((instance, "ssd"), 0) == pool_before.get((instance, "ssd"), 0)
 
 
+IO_JOBS = "kvtier_pool_io_jobs"
+
+
 def pool_moves(node: Node) -> dict[str, float]:
-    """The service's block counts by tier and its demotions and promotions."""
+    """The service's block counts by tier, its demotions and promotions, and its I/O jobs in flight."""
     text = httpx.get(node.meta.metrics_url + "/metrics", timeout=5).text
     return {k: v for k, v in parse_metrics(text).items() if k.startswith("kvtier_pool_blocks{")
             or k in ('kvtier_pool_events_total{event="blocks_demoted"}',
-                     'kvtier_pool_events_total{event="blocks_promoted"}')}
+                     'kvtier_pool_events_total{event="blocks_promoted"}', IO_JOBS)}
 
 
 def test_a_prefix_a_saved_and_the_pool_moved_to_ssd_is_a_disk_hit_on_b(node: Node) -> None:
@@ -209,11 +212,11 @@ def test_a_prefix_a_saved_and_the_pool_moved_to_ssd_is_a_disk_hit_on_b(node: Nod
     device_hit = complete(a, prompt)
     for i in range(3):
         complete(a, tokens(34 + i, 20 * BLOCK + 5))
-    # Until the service has settled its moves: the same DRAM and SSD counts
-    # and demotions twice in a row, a moment apart.
+    # Until the service has settled its moves: no I/O job in flight, and the
+    # same DRAM and SSD counts and demotions twice in a row, a moment apart.
     prev, now = None, pool_moves(node)
     deadline = time.monotonic() + 120
-    while now != prev:
+    while now != prev or now[IO_JOBS]:
         assert time.monotonic() < deadline, f"the pool never settled: {now}"
         time.sleep(1.0)
         prev, now = now, pool_moves(node)
@@ -333,10 +336,10 @@ def freeze_while_saving(srv: VllmServer, node: Node, timeout_s: float = 120) -> 
             # What it sent before it stopped is handled once two looks a
             # moment apart agree.
             slots, prev = node.meta.health()["slots"], None
-            while slots != prev:
+            while slots != prev and time.monotonic() < deadline:
                 time.sleep(0.3)
                 prev, slots = slots, node.meta.health()["slots"]
-            if slots["pending"]:
+            if slots["pending"] and slots == prev:
                 return slots
             signal_pids(pids, signal.SIGCONT)  # its step completed in between: again
         time.sleep(0.01)

@@ -107,6 +107,17 @@ class _PoolCollector:
         leases.add_metric(["pinned"], acc["pinned_entries"])
         leases.add_metric(["unsettled"], acc["unsettled_entries"])
         yield leases
+        if store is not None:
+            moving = store.moving()
+            blocks_moving = GaugeMetricFamily("kvtier_pool_moving_blocks", "Blocks being moved now: written "
+                                              "to SSD, read back into DRAM, published to the cluster",
+                                              labels=["move"])
+            for move in ("to_ssd", "from_ssd", "to_cluster"):
+                blocks_moving.add_metric([move], moving[move])
+            yield blocks_moving
+            jobs = GaugeMetricFamily("kvtier_pool_io_jobs", "I/O jobs of the pool's moves running or queued")
+            jobs.add_metric([], moving["jobs"])
+            yield jobs
 
 
 # What the Mooncake master's own /metrics says about the whole cluster, re-exported.
