@@ -164,9 +164,11 @@ def test_synthetic_shared_prefix_run_reports_hits(kvtier_server: VllmServer, tin
     spec = SynthSpec(tokens=1400, fraction=80, num_diff_prefix=3, group_size=2, num_groups=6, seed=3)
     data, _ = write_synth(synth(tok, spec), spec, str(tmp_path / "ds"))
     out = tmp_path / "out"
+    before = kvtier_server.metrics()
     rc = cli_main(["bench", "run", "--url", kvtier_server.url, "--dataset", data, "--concurrency", "2",
                    "--max-tokens", "4", "--ignore-eos", "--endpoint", "completions", "--output", str(out)])
     assert rc == 0
+    after = kvtier_server.metrics()
     results = json.loads((out / "results.json").read_text())[0]
     s = results["summary"]
     assert s["succeeded"] == 12 and s["failed"] == 0
@@ -180,7 +182,13 @@ def test_synthetic_shared_prefix_run_reports_hits(kvtier_server: VllmServer, tin
     assert h["h_all"] > 0.3
     # Part of the reuse is kvtier's, and those blocks were loaded, not recomputed.
     assert h["h2"] > 0 and h["external_tokens"] > 0
-    assert h["load_errors"] == 0 and h["loaded_blocks"] * 64 == h["external_tokens"]
+    assert h["load_errors"] == 0
+    # Two prompts at a time may not both fit in the device cache: a request
+    # vLLM preempts loads its prefix again (conftest.assert_loads_succeeded).
+    if delta(after, before, "vllm:num_preemptions_total") == 0:
+        assert h["loaded_blocks"] * 64 == h["external_tokens"]
+    else:
+        assert h["loaded_blocks"] * 64 >= h["external_tokens"]
     assert "| h_all |" in capsys.readouterr().out
 
     # kvtier stats reads the same server: hit rates and kvtier's own series.
