@@ -31,6 +31,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -100,25 +101,41 @@ def ask(url: str, prompt: list[int]) -> tuple[list[int], str]:
     return list(choice.get("token_ids") or []), choice["text"]
 
 
-def ask_quietly(url: str, prompt: list[int]) -> None:
-    """A request that may die with the server: its answer is not compared."""
+def died_with_server(url: str, prompt: list[int]) -> bool:
+    """A request that may die with the server (its answer is not compared):
+    whether it did."""
     try:
         ask(url, prompt)
     except httpx.HTTPError:
-        pass
+        return True
+    return False
 
 
-def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int) -> None:
-    """SIGKILL every process of the server while ``prompts`` are being served."""
+def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int) -> int:
+    """SIGKILL every process of the server while ``prompts`` are being
+    served, ``concurrency`` at a time, over and over until the kill (one
+    pass can end between two looks at the engine); returns how many
+    requests died with it (0: the kill missed them)."""
+    killed = threading.Event()
+
+    def feed(first: int) -> bool:
+        i = first
+        while not killed.is_set():
+            if died_with_server(srv.url, prompts[i % len(prompts)]):
+                return True
+            i += concurrency
+        return False
+
     with ThreadPoolExecutor(concurrency) as pool:
-        for p in prompts:
-            pool.submit(ask_quietly, srv.url, p)
+        futs = [pool.submit(feed, k) for k in range(concurrency)]
         deadline = time.monotonic() + 60
         # Kill once the engine is working on them (loading, computing, saving).
         while not srv.metrics().get("vllm:num_requests_running", 0.0) and time.monotonic() < deadline:
             time.sleep(0.05)
         srv.kill()
+        killed.set()
         srv.proc.wait()
+        return sum(f.result() for f in futs)
 
 
 def kvtier_arenas(shm_dir: Path) -> int:
@@ -226,8 +243,8 @@ def run(opts: StressOptions) -> dict:
         got.update(answer_all(srv.url, prompts, range(third, half), opts.concurrency))
         add(m0, srv.metrics())
         # The answers to these are not compared: they die with the server.
-        kill_with_requests_in_flight(srv, prompts[half : half + opts.concurrency], opts.concurrency)
-    faults["kill -9 with requests in flight"] = 1
+        died = kill_with_requests_in_flight(srv, prompts[half : half + opts.concurrency], opts.concurrency)
+    faults["kill -9 with requests in flight"] = died
     with VllmServer(kv_opts, log_path=work / "kvtier-2.log") as srv:
         recovered = srv.log_text()
         # The killed engine's arena is gone (its reaper, or this start's cleanup): one arena, this one's.
@@ -277,6 +294,8 @@ def verdict(s: dict) -> list[str]:
             problems.append(f"no hits from {src}: that tier was not exercised")
     if not c.get("kvtier_ssd_corrupt_blocks_total"):
         problems.append("no flipped SSD block was ever read: the fault was not exercised")
+    if not s["faults"]["kill -9 with requests in flight"]:
+        problems.append("no request was in flight when the engine was killed: the fault was not exercised")
     return problems
 
 
