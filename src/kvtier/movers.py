@@ -461,6 +461,7 @@ class ClusterMover(_Jobs):
         self.timeout_s = timeout_s
         self._limit = queue_blocks
         self.publishing = 0  # blocks handed to publish() whose put has not ended
+        self.fetching = 0  # blocks handed to fetch() whose get has not ended
         self.epoch = 0  # bumped when the cluster lost this node's mark and when it is put again
         self._marked = False  # the mark was put in this epoch
         self._backlog: collections.deque[bytes] = collections.deque()  # blocks to publish again
@@ -683,6 +684,7 @@ class ClusterMover(_Jobs):
 
     def fetch(self, jobs: list[tuple[bytes, int]]) -> None:
         """Get each (key, DRAM slot) of PROMOTING entries, ``CLUSTER_BATCH`` per call."""
+        self.fetching += len(jobs)
         for i in range(0, len(jobs), CLUSTER_BATCH):
             self._submit(self._fetch, jobs[i : i + CLUSTER_BATCH])
 
@@ -708,6 +710,7 @@ class ClusterMover(_Jobs):
         with self._lock:
             for key, outcome in zip(keys, outcomes):
                 self._host._end_fetch_locked(key, outcome, epoch)
+            self.fetching -= len(jobs)
 
     def _publish(self, jobs: list[tuple[bytes, int]]) -> None:
         tier = self._tier

@@ -350,12 +350,14 @@ class TieredStore:
         return (self._cluster.wait_idle(timeout_s) if self._cluster is not None else True) and ok
 
     def moving(self) -> dict[str, int]:
-        """Moves in flight now: blocks being written to SSD and read back
-        into DRAM, blocks being published to the cluster, and the I/O jobs
-        running them (0 once every move has ended and nothing started one)."""
+        """Moves in flight now: blocks being written to SSD or published to
+        the cluster, blocks being read back into DRAM from either, and the
+        I/O jobs running them (0 once every move has ended and nothing
+        started one)."""
         m, cl = self._mover, self._cluster
         return {"to_ssd": m.demoting, "from_ssd": m.promoting,
                 "to_cluster": cl.publishing if cl is not None else 0,
+                "from_cluster": cl.fetching if cl is not None else 0,
                 "jobs": m.jobs() + (cl.jobs() if cl is not None else 0)}
 
     # --- readers ----------------------------------------------------------

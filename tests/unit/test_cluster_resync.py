@@ -1,11 +1,13 @@
 """Publishing again what a restarted master lost, against a cluster whose
 puts the test holds back: a resync does not starve fresh saves, starts when
 the cluster comes back after an outage, and a store closed in the middle of
-one leaves no pin behind.
+one leaves no pin behind; blocks moving to and from the cluster are
+counted until their moves end.
 
 The remote stands in for the network peer (Mooncake's client), the only
 part faked: it holds what was put, answers for this node's mark, and lets
-puts through only while its gate is open. The store, its movers and the
+puts through only while its gate is open (gets likewise, with a gate of
+their own, each failing). The store, its movers and the
 arena are real.
 """
 
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvtier.cluster.client import Fetched
 from kvtier.store import TieredStore
 from kvtier.tier.dram import checksum
 from kvtier.tools.server import poll_until
@@ -35,6 +38,9 @@ class GatedMaster:
         self.gate = threading.Event()
         self.gate.set()
         self.in_put = 0
+        self.fetch_gate = threading.Event()
+        self.fetch_gate.set()
+        self.in_fetch = 0
 
     def connect(self) -> None:
         pass
@@ -56,7 +62,10 @@ class GatedMaster:
         return [k in self.held for k in keys]
 
     def fetch(self, keys, slots):  # noqa: ANN001, ANN201
-        return []
+        self.in_fetch += 1
+        self.fetch_gate.wait(30)
+        self.in_fetch -= 1
+        return [Fetched.ERROR] * len(keys)  # (the transfer itself is Mooncake's: not faked here)
 
     def publish(self, keys, slots):  # noqa: ANN001, ANN201
         self.in_put += 1
@@ -77,7 +86,8 @@ class GatedMaster:
 @pytest.fixture
 def node(make_tier, capacity_for) -> Iterator[tuple[TieredStore, GatedMaster]]:
     remote = GatedMaster()
-    with store_on_remote(make_tier(capacity_for(32, RANK_BYTES), RANK_BYTES), remote, remote.gate.set,
+    with store_on_remote(make_tier(capacity_for(32, RANK_BYTES), RANK_BYTES), remote,
+                         lambda: (remote.gate.set(), remote.fetch_gate.set()),
                          cluster_queue_blocks=2, cluster_timeout_s=0.5) as store:
         yield store, remote
 
@@ -152,3 +162,31 @@ def test_closing_in_the_middle_of_a_resync_leaves_no_pin(node: tuple[TieredStore
     store.close()  # waits for the puts in flight; no new one may start
     assert store.cluster.publishing == 0
     assert all(store._entries[k].pins == 0 for k in old)
+
+
+NOTHING_MOVING = {"to_ssd": 0, "from_ssd": 0, "to_cluster": 0, "from_cluster": 0, "jobs": 0}
+
+
+def test_moves_to_and_from_the_cluster_are_counted_until_they_end(node: tuple[TieredStore, GatedMaster]) -> None:
+    store, remote = node
+    assert store.moving() == NOTHING_MOVING
+    remote.gate.clear()
+    save(store, [key(1), key(2)], 1)  # published once saved, the puts held at the gate
+    assert poll_until(lambda: remote.in_put > 0, 10)
+    moving = store.moving()
+    assert moving["to_cluster"] == 2 and moving["jobs"] >= 1
+    remote.gate.set()
+    assert poll_until(lambda: store.moving() == NOTHING_MOVING, 10), store.moving()
+    assert {key(1), key(2)} <= remote.held
+    # Blocks another node published: fetched into DRAM, the gets held.
+    theirs = [key(50), key(51)]
+    remote.held.update(theirs)
+    remote.fetch_gate.clear()
+    assert store.probe(theirs).remote == 2
+    assert store.promote(theirs) == 2
+    assert poll_until(lambda: remote.in_fetch > 0, 10)
+    moving = store.moving()
+    assert moving["from_cluster"] == 2 and moving["to_cluster"] == 0 and moving["jobs"] >= 1
+    remote.fetch_gate.set()
+    assert poll_until(lambda: store.moving() == NOTHING_MOVING, 10), store.moving()
+    assert store.counters()["cluster_fetch_errors"] == 2

@@ -762,8 +762,8 @@ def test_metrics_and_queries_say_what_the_pool_holds_and_did(service: MetaServic
     assert m[("kvtier_pool_miss_keys_total", (("instance", "b"),))] == 4
     assert m[("kvtier_pool_leased_blocks", (("kind", "pinned"),))] == 3
     assert m[("kvtier_pool_leased_blocks", (("kind", "unsettled"),))] == 0
-    assert [m[("kvtier_pool_moving_blocks", (("move", move),))] for move in ("to_ssd", "from_ssd", "to_cluster")] \
-        == [0, 0, 0]  # no SSD tier: nothing ever moves
+    moves = ("to_ssd", "from_ssd", "to_cluster", "from_cluster")
+    assert [m[("kvtier_pool_moving_blocks", (("move", move),))] for move in moves] == [0] * 4  # no tier to move to
     assert m[("kvtier_pool_io_jobs", ())] == 0
     assert m[("kvtier_pool_events_total", (("event", "sessions_started"),))] == 2
     assert m[("kvtier_pool_events_total", (("event", "evictions"),))] == 0

@@ -168,10 +168,11 @@ def test_reset_with_a_promotion_and_a_demotion_in_flight(make_store, io: GateIo)
 def test_moves_in_flight_are_counted_until_they_end(make_store, io: GateIo) -> None:
     store = make_store()
     save_each(store, KEYS[:9])  # K0..K3 on SSD only, K4..K8 in DRAM
-    assert store.moving() == {"to_ssd": 0, "from_ssd": 0, "to_cluster": 0, "jobs": 0}
+    assert store.moving() == {"to_ssd": 0, "from_ssd": 0, "to_cluster": 0, "from_cluster": 0, "jobs": 0}
     io.reads.clear()
     assert store.promote(KEYS[:2]) == 2  # both reads held at the gate
-    assert store.moving() == {"to_ssd": 0, "from_ssd": 2, "to_cluster": 0, "jobs": 1}  # one batch
+    assert store.moving() == {"to_ssd": 0, "from_ssd": 2, "to_cluster": 0, "from_cluster": 0,
+                              "jobs": 1}  # one batch
     io.writes.clear()
     save_each(store, [KEYS[20]], first_step=20, idle=False)  # cleaning starts writing to SSD
     moving = store.moving()
@@ -181,7 +182,7 @@ def test_moves_in_flight_are_counted_until_they_end(make_store, io: GateIo) -> N
     assert store.moving()["to_ssd"] == moving["to_ssd"]  # its writes are still held
     io.writes.set()
     assert store.wait_idle()
-    assert store.moving() == {"to_ssd": 0, "from_ssd": 0, "to_cluster": 0, "jobs": 0}
+    assert store.moving() == {"to_ssd": 0, "from_ssd": 0, "to_cluster": 0, "from_cluster": 0, "jobs": 0}
     assert store.probe(KEYS[:2]) == Probe(2, 2)  # read back into DRAM
 
 

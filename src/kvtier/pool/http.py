@@ -110,9 +110,9 @@ class _PoolCollector:
         if store is not None:
             moving = store.moving()
             blocks_moving = GaugeMetricFamily("kvtier_pool_moving_blocks", "Blocks being moved now: written "
-                                              "to SSD, read back into DRAM, published to the cluster",
-                                              labels=["move"])
-            for move in ("to_ssd", "from_ssd", "to_cluster"):
+                                              "to SSD or published to the cluster, read back into DRAM from "
+                                              "either", labels=["move"])
+            for move in ("to_ssd", "from_ssd", "to_cluster", "from_cluster"):
                 blocks_moving.add_metric([move], moving[move])
             yield blocks_moving
             jobs = GaugeMetricFamily("kvtier_pool_io_jobs", "I/O jobs of the pool's moves running or queued")
