@@ -373,7 +373,8 @@ def streaming_copy_env(environ: Mapping[str, str]) -> dict[str, str]:
 def without_streaming(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` with the non-temporal threshold taken out of
     GLIBC_TUNABLES (the variable gone when nothing else is left in it):
-    the environment of a process whose copies are glibc's default."""
+    the environment of a process whose copies are glibc's default. Items
+    without ``=``, which glibc ignores, are dropped too."""
     env = dict(environ)
     rest = [f"{name}={value}" for name, value in _tunables(env.pop(GLIBC_TUNABLES, "")) if name != NT_TUNABLE]
     if rest:

@@ -131,7 +131,8 @@ class _Jobs:
             return self._idle.wait_for(lambda: not self._inflight, timeout_s)
 
     def jobs(self) -> int:
-        """I/O jobs submitted and not ended (a job may submit the next before it ends)."""
+        """I/O jobs submitted and not ended, moves and header clearing (a job
+        may submit the next before it ends)."""
         with self._lock:
             return len(self._inflight)
 
@@ -195,9 +196,10 @@ class TierMover(_Jobs):
     def promote(self, jobs: list[PromoteJob]) -> None:
         """Read the blocks of ``jobs`` (PROMOTING entries) into their DRAM
         slots, ``PROMOTE_BATCH`` per job."""
-        self.promoting += len(jobs)
         for i in range(0, len(jobs), PROMOTE_BATCH):
-            self._submit(self._promote, jobs[i : i + PROMOTE_BATCH])
+            batch = jobs[i : i + PROMOTE_BATCH]
+            self._submit(self._promote, batch)
+            self.promoting += len(batch)  # (the job ends it under the lock the caller holds)
 
     def invalidate(self, slots: np.ndarray) -> None:
         """Empty the headers of SSD ``slots`` on an I/O thread, then free them."""
@@ -307,11 +309,13 @@ class TierMover(_Jobs):
             results.append((key, ok, io_error))
         refused: list[int] = []  # global SSD slot numbers
         with self._lock:
-            for key, ok, io_error in results:
-                slot = self._host._end_promotion_locked(key, ok, io_error)
-                if slot is not None:
-                    refused.append(slot)
-            self.promoting -= len(jobs)
+            try:
+                for key, ok, io_error in results:
+                    slot = self._host._end_promotion_locked(key, ok, io_error)
+                    if slot is not None:
+                        refused.append(slot)
+            finally:
+                self.promoting -= len(jobs)
         if refused:
             self._invalidate(refused)
 
@@ -684,9 +688,10 @@ class ClusterMover(_Jobs):
 
     def fetch(self, jobs: list[tuple[bytes, int]]) -> None:
         """Get each (key, DRAM slot) of PROMOTING entries, ``CLUSTER_BATCH`` per call."""
-        self.fetching += len(jobs)
         for i in range(0, len(jobs), CLUSTER_BATCH):
-            self._submit(self._fetch, jobs[i : i + CLUSTER_BATCH])
+            batch = jobs[i : i + CLUSTER_BATCH]
+            self._submit(self._fetch, batch)
+            self.fetching += len(batch)  # (the job ends it under the lock the caller holds)
 
     def publish(self, jobs: list[tuple[bytes, int]]) -> None:
         """Put each (key, DRAM slot) of READY entries the store pinned for it."""
@@ -708,9 +713,11 @@ class ClusterMover(_Jobs):
             log.exception("kvtier cluster: fetching %d blocks failed", len(jobs))
             outcomes = [Fetched.ERROR] * len(jobs)
         with self._lock:
-            for key, outcome in zip(keys, outcomes):
-                self._host._end_fetch_locked(key, outcome, epoch)
-            self.fetching -= len(jobs)
+            try:
+                for key, outcome in zip(keys, outcomes):
+                    self._host._end_fetch_locked(key, outcome, epoch)
+            finally:
+                self.fetching -= len(jobs)
 
     def _publish(self, jobs: list[tuple[bytes, int]]) -> None:
         tier = self._tier

@@ -199,6 +199,20 @@ class EventCounts:
 
 
 @dataclass(frozen=True)
+class Moving:
+    """Moves in flight at one moment (:meth:`TieredStore.moving`): blocks
+    being written to SSD or published to the cluster, blocks being read
+    back into DRAM from either, and the I/O jobs (moves, and the clearing
+    of SSD headers) running or queued."""
+
+    to_ssd: int = 0
+    from_ssd: int = 0
+    to_cluster: int = 0
+    from_cluster: int = 0
+    jobs: int = 0
+
+
+@dataclass(frozen=True)
 class StoreStatistics:
     num_slots: int
     used_slots: int
@@ -349,16 +363,13 @@ class TieredStore:
         ok = self._mover.wait_idle(timeout_s)
         return (self._cluster.wait_idle(timeout_s) if self._cluster is not None else True) and ok
 
-    def moving(self) -> dict[str, int]:
-        """Moves in flight now: blocks being written to SSD or published to
-        the cluster, blocks being read back into DRAM from either, and the
-        I/O jobs running them (0 once every move has ended and nothing
-        started one)."""
-        m, cl = self._mover, self._cluster
-        return {"to_ssd": m.demoting, "from_ssd": m.promoting,
-                "to_cluster": cl.publishing if cl is not None else 0,
-                "from_cluster": cl.fetching if cl is not None else 0,
-                "jobs": m.jobs() + (cl.jobs() if cl is not None else 0)}
+    def moving(self) -> Moving:
+        """Moves in flight now (all zero once every move has ended and nothing started one)."""
+        with self._lock:
+            m, cl = self._mover, self._cluster
+            if cl is None:
+                return Moving(m.demoting, m.promoting, 0, 0, m.jobs())
+            return Moving(m.demoting, m.promoting, cl.publishing, cl.fetching, m.jobs() + cl.jobs())
 
     # --- readers ----------------------------------------------------------
 

@@ -183,12 +183,9 @@ def test_synthetic_shared_prefix_run_reports_hits(kvtier_server: VllmServer, tin
     # Part of the reuse is kvtier's, and those blocks were loaded, not recomputed.
     assert h["h2"] > 0 and h["external_tokens"] > 0
     assert h["load_errors"] == 0
-    # Two prompts at a time may not both fit in the device cache: a request
-    # vLLM preempts loads its prefix again (conftest.assert_loads_succeeded).
-    if delta(after, before, "vllm:num_preemptions_total") == 0:
-        assert h["loaded_blocks"] * 64 == h["external_tokens"]
-    else:
-        assert h["loaded_blocks"] * 64 >= h["external_tokens"]
+    # (Two prompts at a time may not both fit in the device cache: a request
+    # vLLM preempts loads its prefix again, which assert_loads_succeeded allows.)
+    assert_loads_succeeded(before, after, h["external_tokens"])
     assert "| h_all |" in capsys.readouterr().out
 
     # kvtier stats reads the same server: hit rates and kvtier's own series.

@@ -103,9 +103,11 @@ def ask(url: str, prompt: list[int]) -> tuple[list[int], str]:
 
 def died_with_server(url: str, prompt: list[int]) -> bool:
     """A request that may die with the server (its answer is not compared):
-    whether it did."""
+    whether it did. One refused at connect was sent after the server died."""
     try:
         ask(url, prompt)
+    except httpx.ConnectError:
+        return False
     except httpx.HTTPError:
         return True
     return False
@@ -132,8 +134,8 @@ def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int
         # Kill once the engine is working on them (loading, computing, saving).
         while not srv.metrics().get("vllm:num_requests_running", 0.0) and time.monotonic() < deadline:
             time.sleep(0.05)
+        killed.set()  # no feeder starts a request after this
         srv.kill()
-        killed.set()
         srv.proc.wait()
         return sum(f.result() for f in futs)
 

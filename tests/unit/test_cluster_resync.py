@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvtier.cluster.client import Fetched
-from kvtier.store import TieredStore
+from kvtier.store import Moving, TieredStore
 from kvtier.tier.dram import checksum
 from kvtier.tools.server import poll_until
 from tests.unit.helpers import store_on_remote
@@ -164,19 +164,16 @@ def test_closing_in_the_middle_of_a_resync_leaves_no_pin(node: tuple[TieredStore
     assert all(store._entries[k].pins == 0 for k in old)
 
 
-NOTHING_MOVING = {"to_ssd": 0, "from_ssd": 0, "to_cluster": 0, "from_cluster": 0, "jobs": 0}
-
-
 def test_moves_to_and_from_the_cluster_are_counted_until_they_end(node: tuple[TieredStore, GatedMaster]) -> None:
     store, remote = node
-    assert store.moving() == NOTHING_MOVING
+    assert store.moving() == Moving()
     remote.gate.clear()
     save(store, [key(1), key(2)], 1)  # published once saved, the puts held at the gate
     assert poll_until(lambda: remote.in_put > 0, 10)
     moving = store.moving()
-    assert moving["to_cluster"] == 2 and moving["jobs"] >= 1
+    assert moving.to_cluster == 2 and moving.jobs >= 1
     remote.gate.set()
-    assert poll_until(lambda: store.moving() == NOTHING_MOVING, 10), store.moving()
+    assert poll_until(lambda: store.moving() == Moving(), 10), store.moving()
     assert {key(1), key(2)} <= remote.held
     # Blocks another node published: fetched into DRAM, the gets held.
     theirs = [key(50), key(51)]
@@ -186,7 +183,7 @@ def test_moves_to_and_from_the_cluster_are_counted_until_they_end(node: tuple[Ti
     assert store.promote(theirs) == 2
     assert poll_until(lambda: remote.in_fetch > 0, 10)
     moving = store.moving()
-    assert moving["from_cluster"] == 2 and moving["to_cluster"] == 0 and moving["jobs"] >= 1
+    assert moving.from_cluster == 2 and moving.to_cluster == 0 and moving.jobs >= 1
     remote.fetch_gate.set()
-    assert poll_until(lambda: store.moving() == NOTHING_MOVING, 10), store.moving()
+    assert poll_until(lambda: store.moving() == Moving(), 10), store.moving()
     assert store.counters()["cluster_fetch_errors"] == 2

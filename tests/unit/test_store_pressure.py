@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvtier.policy import LruPolicy
-from kvtier.store import DEMOTE_GIVE_UP, Probe, TieredStore
+from kvtier.store import DEMOTE_GIVE_UP, Moving, Probe, TieredStore
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import IoOps, SsdTier
@@ -168,21 +168,20 @@ def test_reset_with_a_promotion_and_a_demotion_in_flight(make_store, io: GateIo)
 def test_moves_in_flight_are_counted_until_they_end(make_store, io: GateIo) -> None:
     store = make_store()
     save_each(store, KEYS[:9])  # K0..K3 on SSD only, K4..K8 in DRAM
-    assert store.moving() == {"to_ssd": 0, "from_ssd": 0, "to_cluster": 0, "from_cluster": 0, "jobs": 0}
+    assert store.moving() == Moving()
     io.reads.clear()
     assert store.promote(KEYS[:2]) == 2  # both reads held at the gate
-    assert store.moving() == {"to_ssd": 0, "from_ssd": 2, "to_cluster": 0, "from_cluster": 0,
-                              "jobs": 1}  # one batch
+    assert store.moving() == Moving(from_ssd=2, jobs=1)  # one batch
     io.writes.clear()
     save_each(store, [KEYS[20]], first_step=20, idle=False)  # cleaning starts writing to SSD
     moving = store.moving()
-    assert moving["to_ssd"] >= 1 and moving["from_ssd"] == 2 and moving["jobs"] >= 2
+    assert moving.to_ssd >= 1 and moving.from_ssd == 2 and moving.jobs >= 2
     io.reads.set()
-    assert poll_until(lambda: store.moving()["from_ssd"] == 0, 30)
-    assert store.moving()["to_ssd"] == moving["to_ssd"]  # its writes are still held
+    assert poll_until(lambda: store.moving().from_ssd == 0, 30)
+    assert store.moving().to_ssd == moving.to_ssd  # its writes are still held
     io.writes.set()
     assert store.wait_idle()
-    assert store.moving() == {"to_ssd": 0, "from_ssd": 0, "to_cluster": 0, "from_cluster": 0, "jobs": 0}
+    assert store.moving() == Moving()
     assert store.probe(KEYS[:2]) == Probe(2, 2)  # read back into DRAM
 
 

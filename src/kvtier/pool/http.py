@@ -27,6 +27,7 @@ import logging
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
@@ -112,11 +113,13 @@ class _PoolCollector:
             blocks_moving = GaugeMetricFamily("kvtier_pool_moving_blocks", "Blocks being moved now: written "
                                               "to SSD or published to the cluster, read back into DRAM from "
                                               "either", labels=["move"])
-            for move in ("to_ssd", "from_ssd", "to_cluster", "from_cluster"):
-                blocks_moving.add_metric([move], moving[move])
+            for f in fields(moving):
+                if f.name != "jobs":
+                    blocks_moving.add_metric([f.name], getattr(moving, f.name))
             yield blocks_moving
-            jobs = GaugeMetricFamily("kvtier_pool_io_jobs", "I/O jobs of the pool's moves running or queued")
-            jobs.add_metric([], moving["jobs"])
+            jobs = GaugeMetricFamily("kvtier_pool_io_jobs", "The pool's I/O jobs (moves, clearing SSD headers) "
+                                     "running or queued")
+            jobs.add_metric([], moving.jobs)
             yield jobs
 
 
