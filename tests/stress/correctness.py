@@ -134,8 +134,12 @@ def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int
         # Kill once the engine is working on them (loading, computing, saving).
         while not srv.metrics().get("vllm:num_requests_running", 0.0) and time.monotonic() < deadline:
             time.sleep(0.05)
-        killed.set()  # no feeder starts a request after this
+        # The feeders go on until the processes are gone (finding them takes
+        # a while, long enough for every request then running to end): a
+        # request refused at connect was sent after the kill, and is not
+        # counted.
         srv.kill()
+        killed.set()
         srv.proc.wait()
         return sum(f.result() for f in futs)
 
