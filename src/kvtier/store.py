@@ -1421,7 +1421,8 @@ class TieredStore:
         return self._c.evictions
 
     def counters(self) -> dict[str, int]:
-        """Cumulative event counts and slot usage, cheap enough to read every engine step."""
+        """Cumulative event counts, slot usage and the blocks moving between
+        tiers, cheap enough to read every engine step."""
         c = self._c
         return {
             "evictions": c.evictions, "blocks_demoted": c.demotions, "demote_failures": c.demote_failures,
@@ -1433,6 +1434,8 @@ class TieredStore:
             "dram_slots_used": self.used_slots,
             "dram_slots_total": self.tier.num_slots, "ssd_slots_used": len(self._ssd_entries),
             "ssd_slots_total": self.ssd.num_slots if self.ssd else 0,
+            # Gauges of the moves in flight (moving(), without its jobs)
+            "blocks_moving_to_ssd": self._mover.demoting, "blocks_moving_from_ssd": self._mover.promoting,
         } | (self._cluster_counters() if self._cluster is not None else {})
 
     def _cluster_counters(self) -> dict[str, int]:
@@ -1443,7 +1446,8 @@ class TieredStore:
                 "cluster_published": c.cluster_published, "cluster_publish_failures": c.cluster_publish_failures,
                 "cluster_publish_skipped": c.cluster_publish_skipped, "cluster_down": c.cluster_down,
                 "cluster_lost": c.cluster_lost, "cluster_vanished": c.cluster_vanished,
-                "cluster_up": int(self._cluster.up)}
+                "cluster_up": int(self._cluster.up), "blocks_moving_to_cluster": self._cluster.publishing,
+                "blocks_moving_from_cluster": self._cluster.fetching}
 
     def statistics(self) -> StoreStatistics:
         with self._lock:

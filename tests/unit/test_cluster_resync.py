@@ -172,6 +172,7 @@ def test_moves_to_and_from_the_cluster_are_counted_until_they_end(node: tuple[Ti
     assert poll_until(lambda: remote.in_put > 0, 10)
     moving = store.moving()
     assert moving.to_cluster == 2 and moving.jobs >= 1
+    assert store.counters()["blocks_moving_to_cluster"] == 2
     remote.gate.set()
     assert poll_until(lambda: store.moving() == Moving(), 10), store.moving()
     assert {key(1), key(2)} <= remote.held
@@ -184,6 +185,8 @@ def test_moves_to_and_from_the_cluster_are_counted_until_they_end(node: tuple[Ti
     assert poll_until(lambda: remote.in_fetch > 0, 10)
     moving = store.moving()
     assert moving.from_cluster == 2 and moving.to_cluster == 0 and moving.jobs >= 1
+    assert store.counters()["blocks_moving_from_cluster"] == 2
     remote.fetch_gate.set()
     assert poll_until(lambda: store.moving() == Moving(), 10), store.moving()
-    assert store.counters()["cluster_fetch_errors"] == 2
+    c = store.counters()
+    assert c["cluster_fetch_errors"] == 2 and (c["blocks_moving_to_cluster"], c["blocks_moving_from_cluster"]) == (0, 0)

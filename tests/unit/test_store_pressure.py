@@ -176,12 +176,16 @@ def test_moves_in_flight_are_counted_until_they_end(make_store, io: GateIo) -> N
     save_each(store, [KEYS[20]], first_step=20, idle=False)  # cleaning starts writing to SSD
     moving = store.moving()
     assert moving.to_ssd >= 1 and moving.from_ssd == 2 and moving.jobs >= 2
+    c = store.counters()  # the same counts, as the gauges vLLM's /metrics gets
+    assert (c["blocks_moving_to_ssd"], c["blocks_moving_from_ssd"]) == (moving.to_ssd, 2)
     io.reads.set()
     assert poll_until(lambda: store.moving().from_ssd == 0, 30)
     assert store.moving().to_ssd == moving.to_ssd  # its writes are still held
     io.writes.set()
     assert store.wait_idle()
     assert store.moving() == Moving()
+    c = store.counters()
+    assert (c["blocks_moving_to_ssd"], c["blocks_moving_from_ssd"]) == (0, 0)
     assert store.probe(KEYS[:2]) == Probe(2, 2)  # read back into DRAM
 
 

@@ -30,8 +30,10 @@ COUNTERS = (
     # Wall time vLLM's engine spent in the connector's hooks (its workers' summed over ranks).
     "scheduler_hook_seconds", "worker_hook_seconds",
 )
-# Gauges: the latest value wins.
-GAUGES = ("dram_slots_used", "dram_slots_total", "ssd_slots_used", "ssd_slots_total")
+# Gauges: the latest value wins. The blocks moving: being written to SSD
+# or published to the cluster, being read back into DRAM from either.
+GAUGES = ("dram_slots_used", "dram_slots_total", "ssd_slots_used", "ssd_slots_total",
+          "blocks_moving_to_ssd", "blocks_moving_from_ssd", "blocks_moving_to_cluster", "blocks_moving_from_cluster")
 
 
 class KvtierStats(KVConnectorStats):
