@@ -36,6 +36,8 @@ def test_repeat_hits_on_ssd_and_survives_restart(tiny_model: str, tmp_path: Path
         assert delta(after, before, DISK) > 0, "expected blocks promoted from SSD"
         assert delta(after, before, "kvtier_blocks_promoted_total") > 0
         assert delta(before, {}, "kvtier_blocks_demoted_total") > 0
+        # The moves in flight are on vLLM's /metrics as gauges (their value is whatever is in flight now).
+        assert {"kvtier_blocks_moving_to_ssd", "kvtier_blocks_moving_from_ssd"} <= set(after)
         assert again["text"] == device_hit["text"]
         assert "kvtier: SSD tier on" in srv.log_text()
 
