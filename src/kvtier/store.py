@@ -639,6 +639,7 @@ class TieredStore:
             # (Any evicted all the same is saved again.)
             wanted = set(new) | {k for k in held if k not in entries}
             pending = self._pending.setdefault(owner, {}).setdefault(step, [])
+            first = len(pending)
             added: list[bytes] = []
             for i, key in enumerate(keys):
                 if key not in wanted:
@@ -666,7 +667,10 @@ class TieredStore:
                 pending.append(key)
                 added.append(key)
                 out.append(slot)
-            # Insert tail first so that the head of a prefix is evicted last.
+            # Insert tail first so that the head of a prefix is evicted last;
+            # the step's list keeps that order too (complete_step makes them
+            # READY in it, after the keys of the step's earlier calls).
+            pending[first:] = pending[first:][::-1]
             for key in reversed(added):
                 self._policy.insert(key)
         out.placed = len(out) if placed < 0 else placed
@@ -687,12 +691,13 @@ class TieredStore:
         with self._lock:
             self._mover.step_done()  # the clock of the SSD write back-off
             for s, keys in self._take_steps(self._pending, owner, step):
-                # Tail first, as prepare_save put them in the LRU order: the
-                # order of blocks without an SSD copy gets a prefix's tail
-                # before its head, so cleaning copies first what eviction
-                # frees first. Published head first (saved, reversed below).
+                # In the order prepare_save put them in the LRU order (each
+                # call's keys tail first, calls in turn): the order of blocks
+                # without an SSD copy gets each prefix's tail before its head,
+                # so cleaning copies first what eviction frees first.
+                # Published head first (saved, reversed below).
                 made = len(saved)
-                for key in reversed(keys):
+                for key in keys:
                     e = self._own_pending(key, owner, s)
                     if e is None:
                         continue

@@ -364,6 +364,26 @@ def test_cleaning_starts_from_the_coldest_blocks_after_lookups_far_below_the_cle
         assert {k for k in keys if (store.key_info(k) or {}).get("ssd")} == {K(19), K(18)}
 
 
+def test_cleaning_copies_the_prefix_saved_first_in_a_step_first_as_eviction_frees_it(
+        make_tier_of, open_ssd, io: GateIo) -> None:
+    # Two requests save in one step (two calls): the first one's blocks are
+    # the colder in the LRU order, and cleaning copies from its tail too.
+    with ssd_stores(make_tier_of(64, PAGE), open_ssd, io) as make:
+        store = make(high_pct=90, low_pct=80, demote_queue_blocks=2)
+        keys = [K(i) for i in range(46)]
+        first, second = keys[:23], keys[23:]
+        for part in (first, second):
+            fill(store, part, store.prepare_save(part, 0))
+        store.complete_step(0)  # 46 blocks: above the clean mark (45)
+        assert store.wait_idle()
+        assert store.counters()["blocks_demoted"] == 2
+        assert {k for k in keys if (store.key_info(k) or {}).get("ssd")} == {K(22), K(21)}
+        # Eviction agrees: it frees the same blocks first.
+        save(store, [K(i) for i in range(100, 112)], step=1)  # over the high mark (57)
+        assert store.wait_idle()
+        assert not store.contains(K(22)) and not store.contains(K(21)) and store.contains(K(45))
+
+
 def test_cleaning_copies_a_saved_prefix_from_its_tail_as_eviction_frees_it(make_tier_of, open_ssd, io: GateIo) -> None:
     with ssd_stores(make_tier_of(64, PAGE), open_ssd, io) as make:
         store = make(high_pct=90, low_pct=80, demote_queue_blocks=2)
