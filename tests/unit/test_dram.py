@@ -217,6 +217,22 @@ def test_clear_unpublishes(make_tier) -> None:
     assert not tier.verify(0, KEY_B, 0) and not tier.verify(0, KEY_A, 0)
     tier.clear(0)
     assert tier.header(0).key == bytes(16)
+    # Each clear is counted (a copy that read the slot across one is told,
+    # headers_unchanged), and unpublishes it for an adopting service.
+    tier.publish(0)
+    before, _ = tier.header_snapshot([0], [bytes(16)])
+    assert before["published"][0] == 1
+    tier.clear(0)
+    after, _ = tier.header_snapshot([0], [bytes(16)])
+    assert (after["published"][0], int(after["gen"][0])) == (0, int(before["gen"][0]) + 1)
+    assert tier.headers_unchanged([0], after) == [True] and tier.headers_unchanged([0], before) == [False]
+    tier._headers[0]["gen"] = 0xFFFFFFFF
+    tier.clear(0)
+    assert int(tier.header_snapshot([0], [bytes(16)])[0]["gen"][0]) == 0  # wraps
+    with pytest.raises(ValueError, match="16 bytes, not 3"):
+        tier.clear(0, b"abc")
+    with pytest.raises(IndexError):
+        tier.clear(tier.num_slots)
     # Sealing again after a clear publishes the new contents.
     _seal(tier, 0, KEY_B, 0)
     assert tier.verify(0, KEY_B, 0)
