@@ -331,6 +331,29 @@ class CountingLru(LruPolicy):
             yield key
 
 
+def test_a_slice_of_a_run_looks_for_copied_blocks_among_a_few_slices_only(
+        make_tier_of, open_ssd, io: GateIo, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Freeing fast (at the DRAM watermark), eviction first frees blocks
+    # already copied to SSD, looking for them in the colder half of DRAM.
+    # A run is done a slice a save: each slice looks at most 8 slices deep,
+    # or a run would walk half of a 340,000-block pool once per slice.
+    monkeypatch.setattr(TieredStore, "EVICT_SLICE", 1)
+    policy = CountingLru()
+    with ssd_stores(make_tier_of(64, PAGE), open_ssd, io) as make:
+        # high 51, low 32, watermark 32: past the watermark, freeing fast
+        store = make(high_pct=80, low_pct=50, dram_watermark_pct=50, policy=policy)
+        io.writes.clear()  # no copy ends: none of the blocks is on SSD yet
+        save_each(store, [K(i) for i in range(51)], idle=False)
+        assert store.counters()["evictions"] == 0
+        policy.walked = 0
+        save(store, [K(100)], step=100)  # past the high mark: its own room and one more
+        assert store.counters()["evictions"] == 2  # freed once their copies land
+        assert policy.walked <= 8 + 4  # 8 looked at for copies (not 25: half of DRAM), then the two
+        io.writes.set()
+        assert store.wait_idle()
+        assert store.counters()["dram_slots_used"] == 50
+
+
 def test_steps_do_not_walk_blocks_already_copied(make_store) -> None:
     # Above the clean mark every completed step used to walk the whole LRU
     # order (44 ms at 50k blocks) to find the few blocks without a copy.
