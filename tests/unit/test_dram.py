@@ -226,6 +226,17 @@ def test_clear_unpublishes(make_tier) -> None:
     after, _ = tier.header_snapshot([0], [bytes(16)])
     assert (after["published"][0], int(after["gen"][0])) == (0, int(before["gen"][0]) + 1)
     assert tier.headers_unchanged([0], after) == [True] and tier.headers_unchanged([0], before) == [False]
+    # Only those fields: the checksums and the padding stay, every rank's mark goes.
+    tier._headers[0]["ready"][:] = 1
+    tier._headers[0]["pad"] = np.void(bytes(range(35)))
+    raw = bytes(tier._headers[0:1].tobytes())
+    tier.clear(0, KEY_A)
+    now = bytes(tier._headers[0:1].tobytes())
+    fields = tier._headers.dtype.fields
+    for name in ("checksum", "pad"):
+        dt, at = fields[name][0], fields[name][1]
+        assert now[at : at + dt.itemsize] == raw[at : at + dt.itemsize], name
+    assert tier._headers[0]["ready"].tolist() == [0] * len(tier._headers[0]["ready"])
     tier._headers[0]["gen"] = 0xFFFFFFFF
     tier.clear(0)
     assert int(tier.header_snapshot([0], [bytes(16)])[0]["gen"][0]) == 0  # wraps
