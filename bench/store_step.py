@@ -88,6 +88,18 @@ def seal(store: TieredStore, keys: list[bytes], slots: Sequence[int | None]) -> 
             tier.seal(slot, k, 0, checksum(tier.rank_view(slot, 0), k))
 
 
+def timed_step(store: TieredStore, hot: list[bytes], new: list[bytes], step: int) -> float:
+    """Seconds of one step's index calls: probe ``hot``, prepare_save ``new``, complete_step."""
+    t = time.perf_counter()
+    store.probe(hot)
+    slots = store.prepare_save(new, step)
+    dt = time.perf_counter() - t
+    seal(store, new, slots)  # the workers' part: not the index's
+    t = time.perf_counter()
+    store.complete_step(step)
+    return dt + time.perf_counter() - t
+
+
 def measure(entries: int, steps: int, saves: int, shm_dir: str, ssd_dir: str, run_blocks: int = 0
             ) -> dict[str, float]:
     num_slots = int(entries / 0.90) + 1
@@ -123,15 +135,7 @@ def measure(entries: int, steps: int, saves: int, shm_dir: str, ssd_dir: str, ru
             hot = [key(i) for i in range(s * 7 % (entries // 2), s * 7 % (entries // 2) + 32)]
             new = [key(n + i) for i in range(saves)]
             n += saves
-            t = time.perf_counter()
-            store.probe(hot)
-            slots = store.prepare_save(new, step)
-            dt = time.perf_counter() - t
-            seal(store, new, slots)  # the workers' part: not the index's
-            t = time.perf_counter()
-            store.complete_step(step)
-            dt += time.perf_counter() - t
-            times.append(dt)
+            times.append(timed_step(store, hot, new, step))
             store.wait_idle()
             step += 1
         after = store.counters()
@@ -180,14 +184,7 @@ def saves_run(store: TieredStore, blocks: int, saves: int, n: int, step: int) ->
             hot = [key(i) for i in range(n - 4096 + s * 7 % 2048, n - 4096 + s * 7 % 2048 + 32)]
             new = [key(n + i) for i in range(saves)]
             n += saves
-            t = time.perf_counter()
-            store.probe(hot)
-            slots = store.prepare_save(new, step)
-            dt = time.perf_counter() - t
-            seal(store, new, slots)
-            t = time.perf_counter()
-            store.complete_step(step)
-            times.append(dt + time.perf_counter() - t)
+            times.append(timed_step(store, hot, new, step))
             store.wait_idle()
             step += 1
     finally:
