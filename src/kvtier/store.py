@@ -36,8 +36,8 @@ from one that got no slot for lack of room (to be saved in a later step).
 
 DRAM eviction (a save or promotion that would pass ``high_pct``) runs down
 to ``low_pct`` in policy order, ``EVICT_SLICE`` blocks more than it needs
-per save or promotion until it gets there: a block already on SSD is freed at once; one
-that is not is demoted (written to SSD through a bounded queue, freed once
+per save or promotion until it gets there: a block already on SSD is
+freed at once; one that is not is demoted (written to SSD through a bounded queue, freed once
 durable), unless DRAM usage is at or above ``dram_watermark_pct``, the
 queue is full or SSD writes were given up, when it is freed without a
 copy. The SSD tier evicts its own least recently used blocks between its
@@ -1075,9 +1075,8 @@ class TieredStore:
             # without a copy. The hotter half is left alone: it holds what
             # was just promoted or looked up and is about to be read. Cleaning
             # keeps the cold end copied, so this walk usually stops after the
-            # blocks it frees; it is longest when copies lag, once per eviction
-            # (which frees ``high - low``), not per step.
-            # (At most 8 slices of it a call: a run walks it once a slice.)
+            # blocks it frees; it is longest when copies lag, and then at most
+            # 8 slices deep (a run from the high mark calls it once a slice).
             window = max(self._effective_used() - target, min(len(self._entries) // 2, 8 * self.EVICT_SLICE))
             for key in itertools.islice(self._policy.victims(), window):
                 if self._effective_used() <= target:
