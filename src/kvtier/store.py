@@ -538,7 +538,7 @@ class TieredStore:
                         moving += len(wanted) + len(remote) - i
                     break
                 slot = self._free.pop()
-                self.tier.clear(slot, key)
+                self._clear_taken(slot, key)
                 if i < len(wanted):
                     s = self._ssd_entries[key]
                     self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, on_ssd=True)
@@ -670,7 +670,7 @@ class TieredStore:
                     out.append(None)
                     continue
                 slot = self._free.pop()
-                self.tier.clear(slot, key)
+                self._clear_taken(slot, key)
                 s = self._ssd_entries.get(key)
                 entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready,
                                       owner=owner)
@@ -1044,6 +1044,16 @@ class TieredStore:
             walk.close()  # closed now even if this raised: reorder_as refuses while a walk is open
         if batch:
             self._mover.demote(batch)
+
+    def _clear_taken(self, slot: int, key: bytes) -> None:
+        """Clear ``slot``, just taken from the free list, for ``key``; a key
+        the tier refuses (not 16 bytes) puts the slot back before the error
+        goes up, so the free list and the index still add up."""
+        try:
+            self.tier.clear(slot, key)
+        except Exception:
+            self._free.append(slot)
+            raise
 
     def _make_room_locked(self, n_new: int) -> None:
         used = self._effective_used()

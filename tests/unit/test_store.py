@@ -165,6 +165,22 @@ def test_slots_are_distinct_until_freed(make_store) -> None:
     assert sorted(slots) == list(range(SLOTS))
 
 
+def test_a_key_the_arena_refuses_gives_its_slot_back(make_store) -> None:
+    # The tier refuses a key that is not 16 bytes only after the store took
+    # a slot for it: the slot goes back, no entry is left, the counts add up.
+    store = make_store()
+    save_ready(store, [K(0)], step=0)
+    before = store.slot_counts()
+    with pytest.raises(ValueError, match="16 bytes"):
+        store.prepare_save([K(1), b"short"], step=1)
+    total, free, entries, held = store.slot_counts()
+    assert total == free + entries + held
+    assert not store.contains(b"short")
+    store.abandon_saves(1)
+    assert store.slot_counts() == before
+    assert store.odd_keys_consistent()
+
+
 def test_failed_slots_are_dropped_and_freed(make_store, tier: DramTier) -> None:
     store = make_store()
     a, b, c = store.prepare_save([K(0), K(1), K(2)], step=0)
