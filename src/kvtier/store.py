@@ -91,6 +91,7 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
+from kvtier.keys import KEY_BYTES
 from kvtier.movers import DEMOTE_GIVE_UP as DEMOTE_GIVE_UP  # re-exported: part of the store's contract
 from kvtier.movers import ClusterMover, PromoteJob, RemoteTier, TierMover
 from kvtier.movers import Fetched
@@ -238,6 +239,18 @@ def _marks(num_slots: int, high_pct: float, low_pct: float) -> tuple[int, int]:
         raise ValueError(f"need 0 < low ({low_pct}) < high ({high_pct}) <= 100")
     high = max(1, int(num_slots * high_pct / 100))
     return high, min(high - 1, int(num_slots * low_pct / 100))
+
+
+def _check_new_keys(keys: list[bytes]) -> None:
+    """Refuse ``keys`` unless every one is a 16-byte block key, before a
+    call changes anything: the arena refuses another length only once a
+    slot has been taken for it, and a call stopped there would leave the
+    keys before it half-entered (not in the recency order, a promotion
+    never started). One join: checking each length cost three times as
+    much (pool/wire.py)."""
+    if len(b"".join(keys)) != KEY_BYTES * len(keys):
+        bad = next(k for k in keys if len(k) != KEY_BYTES)
+        raise ValueError(f"block key {bytes(bad)[:32]!r} is {len(bad)} bytes, not {KEY_BYTES}")
 
 
 class TieredStore:
@@ -527,6 +540,7 @@ class TieredStore:
                 # The caller's probe found it in the cluster; whether it is
                 # still there is the fetch's answer (gone: a miss, counted).
                 remote.append(key)
+            _check_new_keys(remote)  # the others are held on SSD: checked when they came in
             if wanted or remote:
                 self._make_room_locked(len(wanted) + len(remote))
             for i, key in enumerate(wanted + remote):
@@ -538,7 +552,7 @@ class TieredStore:
                         moving += len(wanted) + len(remote) - i
                     break
                 slot = self._free.pop()
-                self._clear_taken(slot, key)
+                self.tier.clear(slot, key)
                 if i < len(wanted):
                     s = self._ssd_entries[key]
                     self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, on_ssd=True)
@@ -642,6 +656,7 @@ class TieredStore:
             unique = list(dict.fromkeys(keys))
             new = [k for k in unique if k not in entries]
             held = [k for k in unique if k in entries]
+            _check_new_keys(new)
             # The held keys of this prefix are in use: made recent first, so
             # that the room made for the new ones is not made from them.
             if held:
@@ -670,7 +685,7 @@ class TieredStore:
                     out.append(None)
                     continue
                 slot = self._free.pop()
-                self._clear_taken(slot, key)
+                self.tier.clear(slot, key)
                 s = self._ssd_entries.get(key)
                 entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready,
                                       owner=owner)
@@ -1044,16 +1059,6 @@ class TieredStore:
             walk.close()  # closed now even if this raised: reorder_as refuses while a walk is open
         if batch:
             self._mover.demote(batch)
-
-    def _clear_taken(self, slot: int, key: bytes) -> None:
-        """Clear ``slot``, just taken from the free list, for ``key``; a key
-        the tier refuses (not 16 bytes) puts the slot back before the error
-        goes up, so the free list and the index still add up."""
-        try:
-            self.tier.clear(slot, key)
-        except Exception:
-            self._free.append(slot)
-            raise
 
     def _make_room_locked(self, n_new: int) -> None:
         used = self._effective_used()

@@ -289,6 +289,20 @@ def test_value_gone_between_lookup_and_fetch_is_counted(node: TieredStore, peer:
     assert c["cluster_gone"] == 1 and c["cluster_fetched"] == 1
 
 
+def test_a_promotion_with_a_key_of_another_length_changes_nothing(node: TieredStore, peer: Peer) -> None:
+    # The cluster's keys are fetched after the SSD's: a short one among
+    # them is refused before any slot is taken, not after the keys before
+    # it were entered PROMOTING with no fetch ever sent for them.
+    keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=5, n=2)["keys"]]
+    before = node.slot_counts()
+    with pytest.raises(ValueError, match="5 bytes, not 16"):
+        node.promote([*keys, b"short"])
+    assert node.slot_counts() == before
+    assert not any(node.contains(k) for k in keys)
+    assert node.odd_keys_consistent()
+    assert fetch(node, keys) == 2  # and the same keys still promote
+
+
 @own_master
 def test_master_down_is_a_fast_miss_and_service_resumes(node: TieredStore, peer: Peer, master: MasterSupervisor,
                                                        cluster_cfg: ClusterConfig, tmp_path: Path,

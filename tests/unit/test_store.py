@@ -165,20 +165,25 @@ def test_slots_are_distinct_until_freed(make_store) -> None:
     assert sorted(slots) == list(range(SLOTS))
 
 
-def test_a_key_the_arena_refuses_gives_its_slot_back(make_store) -> None:
-    # The tier refuses a key that is not 16 bytes only after the store took
-    # a slot for it: the slot goes back, no entry is left, the counts add up.
+def test_a_save_with_a_key_of_another_length_changes_nothing(make_store) -> None:
+    # Refused before any slot is taken: the arena would refuse the short
+    # key only once a slot was taken for it, with K(1) already entered but
+    # not yet in the recency order (never evictable once READY).
     store = make_store()
     save_ready(store, [K(0)], step=0)
     before = store.slot_counts()
-    with pytest.raises(ValueError, match="16 bytes"):
+    with pytest.raises(ValueError, match="5 bytes, not 16"):
         store.prepare_save([K(1), b"short"], step=1)
+    assert store.slot_counts() == before
+    assert not store.contains(K(1)) and store.statistics().pending_slots == 0
+    store.complete_step(1)
+    assert store.odd_keys_consistent()
+    # Every slot still comes back into use: the pool fills and evicts K(0) and the rest in order.
+    for i in range(1, 3 * SLOTS):
+        save_ready(store, [K(i)], step=1 + i)
+    assert not store.contains(K(0))
     total, free, entries, held = store.slot_counts()
     assert total == free + entries + held
-    assert not store.contains(b"short")
-    store.abandon_saves(1)
-    assert store.slot_counts() == before
-    assert store.odd_keys_consistent()
 
 
 def test_failed_slots_are_dropped_and_freed(make_store, tier: DramTier) -> None:
