@@ -42,6 +42,12 @@ class Placement(Protocol):
     @property
     def num_slots(self) -> int: ...
 
+    @property
+    def epoch(self) -> int:
+        """Changes when slots handed out before stop meaning anything (a
+        new session with the meta service); constant in process."""
+        ...
+
     def probe(self, keys: Sequence[bytes]) -> Probe: ...
 
     def promote(self, keys: Sequence[bytes]) -> int: ...
@@ -159,6 +165,10 @@ class EmbeddedPlacement:
     @property
     def num_slots(self) -> int:
         return self.store.tier.num_slots
+
+    @property
+    def epoch(self) -> int:
+        return 0
 
     def probe(self, keys: Sequence[bytes]) -> Probe:
         return self.store.probe(keys)

@@ -650,6 +650,110 @@ def test_complete_step_does_not_wait_and_its_answer_is_read_by_the_next_call(ser
     c.shutdown()
 
 
+def test_a_doom_that_finds_the_connection_busy_still_comes_before_the_next_complete_step(
+        service: MetaService) -> None:
+    """A load of step 1 failed, so the saves of step 2 (computed on it) are
+    doomed; the connection is busy then (a call of another thread waits on
+    a stalled store), past the client's lock wait. The doom is not dropped:
+    the next call sends it first, and the complete_step after it does not
+    publish step 2's saves."""
+    c = client(service)
+    ks = keys(51, 3)
+    slots = c.prepare_save(ks, step=2)
+    write_blocks(c.arena_path, list(slots), ks, 4)
+    store = service.store
+    assert store is not None
+    answered = threading.Event()
+    with store._lock:  # the store stalls: a call in flight holds the client's connection
+        stalled = threading.Thread(target=lambda: (c.probe(keys(52, 1)), answered.set()))
+        stalled.start()
+        assert poll_until(lambda: c._lock.locked(), 10)
+        assert c.doom_pending(1) == 0  # no answer to give: deferred
+        assert c.deferred == 1 and len(c._deferred) == 1
+    stalled.join(10)
+    assert answered.is_set() and c.connected
+    c.complete_step(2)
+    assert c.flush() and not c._deferred
+    assert c.probe(ks).ready == 0  # doomed, not published
+    assert all(not store.contains(k) for k in ks)
+    acc = service.accounting()
+    assert (acc["pins"], acc["pending"]) == (0, 0)
+    assert c.failures == 0 and c.reconnects == 0
+
+
+def test_a_call_deferred_for_a_session_that_ended_is_not_sent_in_the_next(service: MetaService) -> None:
+    """A settling call deferred on one connection is dropped with it: the
+    session it was for has ended, and its step numbers mean nothing to the
+    session after the reconnection (a complete_step would settle its saves)."""
+    c = client(service)
+    epoch = c.epoch
+    with c._lock:  # busy: deferred under the current epoch
+        c.complete_step(5)
+    assert len(c._deferred) == 1
+    with c._lock:
+        c._drop_locked("the test drops the connection")
+    assert not c._deferred
+    ks = keys(53, 2)
+    poll_until(lambda: c.connected, 10)
+    assert c.connected and c.epoch == epoch + 1
+    slots = c.prepare_save(ks, step=5)
+    assert None not in slots
+    with c._lock:
+        c.complete_step(4)  # deferred under the new epoch
+    c._deferred.appendleft((epoch, wire.CompleteStep(0, 5, [], False)))  # one left from the old one
+    assert c.flush() and not c._deferred
+    # Only complete_step(4) went out: step 5's saves are still pending.
+    assert service.accounting()["pending"] == 2 and c.probe(ks).ready == 0
+
+
+def test_a_step_planned_across_a_reconnection_loads_and_saves_nothing(service: MetaService) -> None:
+    """The scheduler half pins a hit's blocks in one session; the client
+    reconnects before the step's plan is built. Those slot numbers belong
+    to a session that has ended (its pins released, the slots free for any
+    instance): the plan loads nothing from them and saves nothing, and the
+    blocks are planned again in the next step."""
+    from kvtier.connector.scheduler import SchedulerSide
+    from tests.unit.helpers import BLOCK
+    from tests.unit.helpers import FakeBlocks as Blocks
+    from tests.unit.helpers import FakeRequest as Req
+    from tests.unit.test_scheduler import NS, Manager, finish, plan_step, tokens
+
+    c = client(service)
+    side = SchedulerSide(c, NS, BLOCK, ranks=1)
+    side.kv_cache_manager = Manager()
+    first = Req("first", tokens(3))
+    side.on_new_request(first)
+    side.kv_cache_manager.blocks["first"] = [10, 11, 12, 13]
+    plan = plan_step(side, {"first": 3 * BLOCK + 1}, {"first": first})
+    assert len(plan.saves) == 3
+    write_blocks(c.arena_path, [x.slot for x in plan.saves], [x.key for x in plan.saves], 5)
+    finish(side, plan.step)
+    assert c.flush()
+
+    again = Req("again", tokens(5))
+    side.on_new_request(again)
+    assert side.get_num_new_matched_tokens(again, 0) == (3 * BLOCK, False)
+    blocks = [20, 21, 22, 23, 24, 25]
+    side.kv_cache_manager.blocks["again"] = blocks
+    side.update_state_after_alloc(again, Blocks(blocks), 3 * BLOCK)
+    assert service.accounting()["pins"] == 3
+    epoch = c.epoch
+    with c._lock:
+        c._drop_locked("the test drops the connection")
+    assert poll_until(lambda: c.connected, 10) and c.epoch == epoch + 1
+    again.num_computed_tokens = 3 * BLOCK
+    plan = plan_step(side, {"again": 2 * BLOCK + 1}, {"again": again})
+    assert [(x.block_id, x.slot) for x in plan.loads] == [(20, -1), (21, -1), (22, -1)]
+    assert plan.saves == []
+    acc = service.accounting()
+    assert (acc["pins"], acc["pending"]) == (0, 0)
+    # The next step plans the blocks of that step again, in the new session.
+    finish(side, plan.step)
+    plan = plan_step(side, {"again": 0}, {"again": again})
+    assert [x.block_id for x in plan.saves] == [23, 24]
+    assert all(x.slot >= 0 for x in plan.saves)
+
+
 def test_a_hello_that_arrives_while_the_service_stops_makes_no_pool(tmp_path: Path) -> None:
     svc = start(tmp_path)
     s = _raw(svc)  # accepted before the stop; its Hello comes after

@@ -102,6 +102,9 @@ class SchedulerSide:
         self._step = 0
         self._waited_step = -1  # the step counter at the last wait for a promotion
         self._loads_this_step: list[BlockCopy] = []
+        # The placement's epoch before the step's first pin or save (None:
+        # none yet). Slots are only good in the session that gave them.
+        self._plan_epoch: int | None = None
         # Per planned step: request -> first block index it loads or saves in
         # that step. If the step's copies fail, those requests go back there,
         # so that the blocks vLLM recomputes are saved again.
@@ -279,6 +282,7 @@ class SchedulerSide:
         marks = self._rewind.setdefault(self._step, {})
         marks[request.request_id] = min(marks.get(request.request_id, first), first)
         self._loading[request.request_id] = first
+        self._note_epoch()
         slots = self.store.pin(keys, self._step)
         null = self._null_block_id()
         for i, (key, slot) in enumerate(zip(keys, slots)):
@@ -319,8 +323,14 @@ class SchedulerSide:
             if st is not None:
                 st.saved_blocks = min(st.saved_blocks, first)
         self._loads_this_step = []
+        self._plan_epoch = None
         self._step += 1
         return plan
+
+    def _note_epoch(self) -> None:
+        """Before a call that hands out slots: the epoch they belong to."""
+        if self._plan_epoch is None:
+            self._plan_epoch = self.store.epoch
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepPlan:
         step = self._step
@@ -346,6 +356,7 @@ class SchedulerSide:
             null = self._null_block_id()
             # vLLM's shared null block never holds a request's KV: never saved.
             pairs = [(i, block_ids[i], keys[i]) for i in range(st.saved_blocks, n_full) if block_ids[i] != null]
+            self._note_epoch()
             slots = self.store.prepare_save([k for _, _, k in pairs], step)
             for (_, block_id, key), slot in zip(pairs, slots):
                 if slot is not None:
@@ -356,8 +367,15 @@ class SchedulerSide:
             # a slot are held by then, and skipped).
             st.saved_blocks = pairs[slots.placed][0] if slots.placed < len(pairs) else n_full
         self._note_loading()
-        # The arena of the placement as it is now, after this step's calls: a
-        # reconnection to a restarted service during them may have changed it.
+        if self._plan_epoch is not None and self.store.epoch != self._plan_epoch:
+            # The placement reconnected while the step was planned: slots
+            # from the session before mean nothing now (the service released
+            # them, or a restarted one made another arena). Nothing of the
+            # step is copied; its blocks are computed and saved again.
+            log.warning("kvtier: the pool's session changed while step %d was planned; its loads fail into "
+                        "recompute and its saves are planned again", step)
+            return self.failed_step_plan()
+        self._plan_epoch = None
         plan.arena = self.store.arena_path
         plan.delayed = self._take_delayed()
         self._loads_this_step = []

@@ -18,10 +18,15 @@ taken); the backoff starts over only once a call of the engine's is
 answered, so a service that answers those but hangs on other calls costs
 the engine one ``timeout_s`` per attempt, spaced out to 5 s. An engine
 call that finds the connection busy for longer than ``LOCK_WAIT_S``
-(another call waiting on a hung service) answers "miss" too. A
-reconnection opens a new session: pins and slots of the old one are gone
-with it (the service released them), and a load planned on one of them
-fails its worker's key and checksum check and is recomputed.
+(another call waiting on a hung service) answers "miss" too, but for the
+calls that settle saves (``complete_step``, ``doom_pending``, ``reset``,
+``abandon_saves``): those are sent, in order, before the next call that
+gets the connection, so that no later ``complete_step`` publishes saves
+they were to doom. A reconnection opens a new session (``epoch`` counts
+them): pins and slots of the old one are gone with it (the service
+released them), and calls the old one deferred are not sent; a step
+planned across a reconnection loads nothing and saves nothing
+(connector/scheduler.py).
 
 While connected and idle, the same thread pings the service every third
 of the lease's time so that the session's leases hold.
@@ -51,6 +56,8 @@ BACKOFF_MAX_S = 5.0
 COUNTERS_EVERY_S = 0.25
 UNANSWERED_MAX = 64  # calls sent without waiting whose replies are unread; past this a call waits
 LOCK_WAIT_S = 0.05  # an engine call waits this long at most for the connection (a ping holds it ~0.1 ms)
+# Calls that settle a session's saves: never dropped while the session lives (see _call).
+_SETTLES = (wire.CompleteStep, wire.DoomPending, wire.Reset, wire.AbandonSaves)
 
 
 class PoolUnavailable(Exception):
@@ -89,6 +96,10 @@ class PoolPlacement:
         self._next_id = 1
         self._welcome: wire.Welcome | None = None
         self._unanswered: deque[tuple[int, str]] = deque()  # (id, call) sent with wait=False, reply not read
+        # (epoch, call) settling calls that found the connection busy: sent
+        # first by the next call that gets it, if the connection is the same.
+        self._deferred: deque[tuple[int, msgspec.Struct]] = deque()
+        self._epoch = 0  # connections installed so far
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST_S
         self._last_call = 0.0
@@ -103,6 +114,7 @@ class PoolPlacement:
         self.failures = 0  # calls answered "miss" because the pool was down
         self.stalls = 0  # waits of ``timeout_s`` for the service on a thread not the client's (the engine's)
         self.attempts = 0  # reconnections tried by the client's thread
+        self.deferred = 0  # settling calls that found the connection busy and went with the next call
         if connect:
             sock, welcome = self._open()  # the first connection's refusal is a start-up error
             with self._lock:
@@ -160,6 +172,7 @@ class PoolPlacement:
         self._sock = sock
         self._welcome = welcome
         self._next_id = 1
+        self._epoch += 1
         self._last_call = time.monotonic()
 
     def _reconnect(self) -> None:
@@ -188,6 +201,7 @@ class PoolPlacement:
 
     def _drop_locked(self, why: object) -> None:
         self._unanswered.clear()  # their session ends with the connection: the service settles them
+        self._deferred.clear()  # so does what they were to settle
         if self._sock is not None:
             log.warning("kvtier: the meta service at %s is unreachable (%s); lookups miss and saves are dropped "
                         "until it is back", self.url, why)
@@ -205,9 +219,21 @@ class PoolPlacement:
         an error in it logged) by the next call that waits, before its own:
         the service answers a session's requests in order. For calls whose
         answer nobody needs (CompleteStep runs on the path of each step's
-        tokens; waiting for its "ok" cost a round trip per step)."""
+        tokens; waiting for its "ok" cost a round trip per step).
+
+        A call that settles saves (``_SETTLES``) and finds the connection
+        busy is not dropped: dropping a DoomPending would let the next
+        CompleteStep publish saves computed on a block that failed its
+        check. It is deferred, and the next call that gets the connection
+        sends it first (the session's calls stay in order); if the
+        connection drops before, the session ends and the service drops
+        the saves itself."""
         if not self._lock.acquire(timeout=-1 if lock_wait is None else lock_wait):
-            self.failures += 1  # another call is waiting on a service that does not answer
+            if isinstance(msg, _SETTLES):
+                self._deferred.append((self._epoch, msg))
+                self.deferred += 1
+            else:
+                self.failures += 1  # another call is waiting on a service that does not answer
             return None
         try:
             if self._closed.is_set():
@@ -215,11 +241,15 @@ class PoolPlacement:
             if self._sock is None:  # down: the client's thread reconnects
                 self.failures += 1
                 return None
-            mid = self._next_id
-            self._next_id += 1
-            msg.id = mid  # type: ignore[attr-defined]
             try:
                 assert self._sock is not None
+                while self._deferred:
+                    epoch, earlier = self._deferred.popleft()
+                    if epoch == self._epoch:  # else made for a session that has ended
+                        self._send_unanswered_locked(earlier)
+                mid = self._next_id
+                self._next_id += 1
+                msg.id = mid  # type: ignore[attr-defined]
                 self._sock.sendall(wire.encode(msg))
                 if not wait and len(self._unanswered) < UNANSWERED_MAX:
                     self._unanswered.append((mid, type(msg).__name__))
@@ -257,6 +287,15 @@ class PoolPlacement:
         finally:
             self._lock.release()
 
+    def _send_unanswered_locked(self, msg: msgspec.Struct) -> None:
+        """Send ``msg`` without waiting for its reply (read by a later call)."""
+        assert self._sock is not None
+        mid = self._next_id
+        self._next_id += 1
+        msg.id = mid  # type: ignore[attr-defined]
+        self._sock.sendall(wire.encode(msg))
+        self._unanswered.append((mid, type(msg).__name__))
+
     def _ping_loop(self) -> None:
         while True:
             welcome = self._welcome
@@ -286,6 +325,12 @@ class PoolPlacement:
     @property
     def session(self) -> int:
         return self._welcome.session if self._welcome else 0
+
+    @property
+    def epoch(self) -> int:
+        """Connections made so far: slots from calls under one epoch mean
+        nothing under another (the session that held them has ended)."""
+        return self._epoch
 
     # --- Placement --------------------------------------------------------
 
