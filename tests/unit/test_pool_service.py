@@ -23,6 +23,7 @@ import pytest
 
 from kvtier.config import KvtierConfig
 from kvtier.pool import http as pool_http
+from kvtier.pool import service as pool_service
 from kvtier.pool import wire
 from kvtier.pool.client import PoolPlacement, PoolRefused
 from kvtier.pool.http import PoolHttp
@@ -382,8 +383,15 @@ def test_bad_frames_before_the_hello_are_refused_and_the_service_keeps_serving(s
     (_frame_of(["Pin", 7, "two", b"k" * 16]), "`Pin.step`"),
     (_frame_of(["CompleteStep", 7, 2]), "CompleteStep: Expected `array`"),
     (struct.pack("<I", 3004) + b"\x92\xa3Pin" + b"\x91" * 3000, "Expected `array`"),
+    # A step a reset could not reach (it dooms steps above -2**62), and one past the range.
+    (_frame_of(["Pin", 7, -(1 << 62) - 1, b"k" * 16]), "`Pin.step`"),
+    (_frame_of(["DoomPending", 7, 1 << 62]), "`DoomPending.after_step`"),
+    # Over NAMED_MAX: msgspec's own words, the body not decoded again to name the
+    # field (an 8 MiB array of empty arrays took seconds, holding the interpreter lock).
+    (_frame_of(["Pin", 7, [[]] * 5000, b"k" * 16]), "Expected `int`, got `array` - at `$[2]`"),
 ] + [(f, "") for f in _random_frames(10)],
-    ids=["truncated", "oversized", "second-hello", "wrong-type", "too-short", "deeply-nested"]
+    ids=["truncated", "oversized", "second-hello", "wrong-type", "too-short", "deeply-nested",
+         "step-below-reset", "step-too-far", "large-unnamed"]
     + [f"random-{i}" for i in range(10)])
 def test_a_bad_frame_in_a_session_ends_that_session_alone_and_releases_what_it_held(service: MetaService,
                                                                                     frame: bytes, says: str) -> None:
@@ -908,6 +916,74 @@ def test_an_idle_http_connection_is_dropped_and_others_are_served(http_server: P
     finally:
         idle.close()
         short.close()
+
+
+def test_http_connections_past_the_cap_are_closed_and_the_others_served(service: MetaService,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metrics port needs no token: peers that connect and trickle
+    (each read's timeout restarted by a byte) hold at most the cap's
+    threads; past it a connection is closed at once, and one freed is
+    served again."""
+    monkeypatch.setattr(pool_http, "MAX_HTTP_CONNECTIONS", 2)
+    h = PoolHttp(service, "127.0.0.1", 0)
+    h.start()
+    host, port = h.server.server_address[:2]
+    held = [socket.create_connection((host, port)) for _ in range(2)]
+    try:
+        for s in held:
+            s.sendall(b"GET /health HTTP/1.1\r\n")  # the rest of the headers never comes
+        assert poll_until(lambda: h.server._slots._value == 0, 10)
+        extra = socket.create_connection((host, port), timeout=10)
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert extra.recv(4096) == b""  # closed with no answer
+        extra.close()
+        assert h.server.refused == 1
+        held.pop().close()
+        assert poll_until(lambda: h.server._slots._value == 1, 10)
+        assert httpx.get(h.url + "/health", timeout=10).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        h.stop()
+
+
+def test_a_hello_trickled_past_its_deadline_is_refused(service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte every 0.2 s restarts a socket's timeout at each read; the
+    Hello as a whole must arrive within HELLO_WAIT_S."""
+    monkeypatch.setattr(pool_service, "HELLO_WAIT_S", 1.0)
+    s = _raw(service)
+    hello = wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "slow", 1, 1, RANK_BYTES))
+    closed = False
+    try:
+        for i in range(len(hello)):  # ~0.2 s a byte: the whole Hello would take seconds
+            s.sendall(hello[i : i + 1])
+            time.sleep(0.2)
+    except OSError:  # the service closed it: a write to it failed
+        closed = True
+    if not closed:
+        reply = _answer(s)
+        assert isinstance(reply, wire.Error) and "in time" in reply.message
+    s.close()
+    assert [x.name for x in service.sessions()] == []
+    assert poll_until(lambda: service.connections == 0, 10)
+
+
+def test_connections_past_the_cap_are_closed_at_once(service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_service, "MAX_CONNECTIONS", 3)
+    idle = [_raw(service) for _ in range(3)]  # connected, no Hello yet: each holds a thread
+    try:
+        assert poll_until(lambda: service.connections == 3, 10)
+        extra = _raw(service)
+        assert extra.recv(1) == b""  # closed at once, before any Hello
+        extra.close()
+        assert service.refused_connections == 1
+        idle.pop().close()
+        assert poll_until(lambda: service.connections == 2, 10)
+        c = client(service)  # one freed: an instance gets in
+        assert c.connected and c.probe(keys(60, 1)).total == 0
+    finally:
+        for s in idle:
+            s.close()
 
 
 def test_deeply_nested_json_is_a_bad_request(http_server: PoolHttp) -> None:

@@ -45,7 +45,41 @@ MAX_BATCH = 4096
 HTTP_TIMEOUT_S = 10.0  # an idle or stalled HTTP connection is dropped after this long
 
 
-class _ServerV6(ThreadingHTTPServer):
+MAX_HTTP_CONNECTIONS = 32  # served at once (a thread each); past this a new one is closed at once
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most :data:`MAX_HTTP_CONNECTIONS` at
+    once: a client's socket timeout bounds each read alone, so peers that
+    trickle their requests could otherwise hold threads and descriptors
+    without end (the metrics port needs no token)."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self._slots = threading.BoundedSemaphore(MAX_HTTP_CONNECTIONS)
+        self.refused = 0
+
+    def process_request(self, request: object, client_address: object) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)  # type: ignore[arg-type]
+            return
+        try:
+            super().process_request(request, client_address)  # type: ignore[arg-type]
+        except BaseException:
+            self._slots.release()  # no thread started: it would not release its slot
+            raise
+
+    def process_request_thread(self, request: object, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[arg-type]
+        finally:
+            self._slots.release()
+
+
+class _ServerV6(_Server):
     """The same server on an IPv6 address (``http://[::1]:5001``)."""
 
     address_family = socket.AF_INET6
@@ -240,9 +274,8 @@ class PoolHttp:
                     return
                 http._dispatch(self, self.rfile.read(n))
 
-        server_class = _ServerV6 if ":" in host else ThreadingHTTPServer
+        server_class = _ServerV6 if ":" in host else _Server
         self.server = server_class((host, port), Handler)
-        self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property

@@ -60,6 +60,11 @@ ARENA_PREFIX = "kvtier-pool-"
 STATS_PREFIX = "kvtier-poolstats-"  # the counters page beside the arena (pool/statspage.py)
 STATS_EVERY_S = 0.1  # how often the counters page is rewritten
 HELLO_MAX = 64 << 10  # bytes a handshake may take, before the client is known
+HELLO_WAIT_S = 10.0  # the whole Hello must arrive within this long of the connection
+# Connections served at once (each a thread and a descriptor): instances
+# need one each; past this, a new one is closed at once, so that peers that
+# connect and stall cannot use up the service's descriptors.
+MAX_CONNECTIONS = 256
 _LOW_STEP = -(1 << 62)
 
 
@@ -154,6 +159,9 @@ class MetaService:
         self.sessions_started = 0
         self.sessions_expired = 0
         self.bad_messages = 0
+        self.connections = 0  # being served now
+        self.refused_connections = 0  # closed at once: MAX_CONNECTIONS were being served
+        self._refused_logged = float("-inf")
         self.rpc_seconds: Callable[[str, float], None] | None = None  # metrics hook
         self.cluster_master = None  # the MasterSupervisor beside this service (master node), for /metrics
         # Per instance name, kept after its sessions end: keys looked up,
@@ -356,12 +364,28 @@ class MetaService:
                 log.warning("kvtier meta: accept failed (%s); retrying", err)
                 time.sleep(0.1)
                 continue
+            with self._lock:
+                full = self.connections >= MAX_CONNECTIONS
+                if full:
+                    self.refused_connections += 1
+                else:
+                    self.connections += 1
+            if full:
+                conn.close()
+                now = time.monotonic()
+                if now - self._refused_logged >= 10.0:
+                    self._refused_logged = now
+                    log.warning("kvtier meta: %d connections open, the most served at once; new ones are "
+                                "closed (%d so far)", MAX_CONNECTIONS, self.refused_connections)
+                continue
             try:
                 threading.Thread(target=self._serve, name="kvtier-meta-conn", args=(conn, str(peer or "unix")),
                                  daemon=True).start()
             except RuntimeError as err:
                 log.warning("kvtier meta: cannot start a thread for a connection (%s); closed", err)
                 conn.close()
+                with self._lock:
+                    self.connections -= 1
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         session: Session | None = None
@@ -410,11 +434,12 @@ class MetaService:
             if session is not None:
                 self._end(session, "connection closed")
             conn.close()
+            with self._lock:
+                self.connections -= 1
 
     def _handshake(self, conn: socket.socket, peer: str) -> Session | None:
-        conn.settimeout(10.0)
         try:
-            body = wire.recv_frame(conn, max_bytes=HELLO_MAX)
+            body = wire.recv_frame(conn, max_bytes=HELLO_MAX, deadline=time.monotonic() + HELLO_WAIT_S)
             if body is None:
                 return None
             msg = wire.decode_client(body)

@@ -23,13 +23,21 @@ from __future__ import annotations
 import re
 import socket
 import struct
+import time
 from collections.abc import Sequence
+from typing import Annotated
+
 import msgspec
 import numpy as np
 
 PROTOCOL_VERSION = 3  # 2: ProbeReply.remote (the cluster tier); 3: keys as one blob, Welcome.stats
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
 KEY_BYTES = 16
+# An engine's steps count up from 0; a service's own reset dooms every step
+# above -2**62 (service._LOW_STEP), so no step of a session may be at or below it.
+Step = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+AfterStep = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]  # -1: before the first step
+NAMED_MAX = 4096  # bytes of a refused message decoded again to name its field (see _named)
 _LEN = struct.Struct("<I")
 # Block keys travel as one bytes field, 16 bytes each back to back
 # (pack_keys / unpack_keys): a list of 4,096 MessagePack strings took ~65 us
@@ -81,26 +89,26 @@ class Promote(_Msg):
 
 class Pin(_Msg):
     id: int
-    step: int
+    step: Step
     keys: Keys
 
 
 class PrepareSave(_Msg):
     id: int
-    step: int
+    step: Step
     keys: Keys
 
 
 class CompleteStep(_Msg):
     id: int
-    step: int
+    step: Step
     failed_slots: list[int]
     all_failed: bool  # not every rank finished: nothing of the step may be read
 
 
 class AbandonSaves(_Msg):
     id: int
-    step: int
+    step: Step
 
 
 class Discard(_Msg):
@@ -110,7 +118,7 @@ class Discard(_Msg):
 
 class DoomPending(_Msg):
     id: int
-    after_step: int
+    after_step: AfterStep
 
 
 class Reset(_Msg):
@@ -234,7 +242,12 @@ def _named(error: str, body: bytes) -> str:
     """msgspec's error with the message and field named: structs travel as
     arrays (tag first), so msgspec says where as ``$[i]``; this says
     ``Pin.step`` instead, and which message an error of its length was in.
-    Only on the error path: the body is decoded again, untyped."""
+    Only on the error path, and only for a body of at most
+    :data:`NAMED_MAX` bytes: the body is decoded again, untyped, and a
+    large one (an array of millions of empty arrays) took seconds and
+    hundreds of MB holding the interpreter lock; its error keeps msgspec's words."""
+    if len(body) > NAMED_MAX:
+        return error
     try:
         raw = msgspec.msgpack.decode(body)
     except Exception:  # noqa: BLE001 - naming is a courtesy: nested too deep, anything, and msgspec's words stand
@@ -252,22 +265,36 @@ def _named(error: str, body: bytes) -> str:
     return named if named != error else f"{cls.__name__}: {error}"
 
 
-def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> bytes | None:
-    """One frame's body; None when the peer closed between frames."""
-    head = _recv_exact(sock, _LEN.size, allow_eof=True)
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME, deadline: float | None = None) -> bytes | None:
+    """One frame's body; None when the peer closed between frames.
+
+    ``deadline`` (``time.monotonic()``): the whole frame must have arrived
+    by then, else TimeoutError. A socket's own timeout bounds each read
+    alone: a peer sending a byte a little more often than that would keep
+    the read going for ever."""
+    head = _recv_exact(sock, _LEN.size, allow_eof=True, deadline=deadline)
     if head is None:
         return None
     (n,) = _LEN.unpack(head)
     if n > max_bytes:
         raise WireError(f"frame of {n} bytes announced, over the {max_bytes}-byte limit")
-    body = _recv_exact(sock, n, allow_eof=False)
+    body = _recv_exact(sock, n, allow_eof=False, deadline=deadline)
     assert body is not None
     return body
 
 
-def _recv_exact(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
+def _time_left(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the frame did not arrive in time")
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, allow_eof: bool, deadline: float | None = None) -> bytes | None:
     # One call for the whole frame in the common case (a probe of 4,096 keys
     # is a 64 KiB frame): no chunks joined, no second copy.
+    if deadline is not None:
+        _time_left(sock, deadline)
     first = sock.recv(n, socket.MSG_WAITALL)
     if len(first) == n:
         return first
@@ -275,6 +302,8 @@ def _recv_exact(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
         return None
     buf = bytearray(first)
     while len(buf) < n:
+        if deadline is not None:
+            _time_left(sock, deadline)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             if allow_eof and not buf:
