@@ -95,6 +95,10 @@ def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> 
             assert store.odd_keys_consistent(), f"call {i}: the odd set differs from the entries"
             assert pin_counts(store) == {k: e.pins for k, e in store._entries.items() if e.pins}, \
                 f"call {i}: entries' pin counts differ from the pins held"
+            st = store.statistics()  # counted from the odd set and the pin lists, not a walk
+            assert (st.pending_slots, st.pinned_slots) == (
+                sum(1 for e in store._entries.values() if e.state is not EntryState.READY),
+                sum(1 for e in store._entries.values() if e.pins)), f"call {i}: statistics differ from the entries"
         if rng.random() < 0.2:
             store.refresh()  # the runs probed without refresh since: some of their keys may have gone
         owner = rng.choice([0, 1])
