@@ -109,6 +109,29 @@ def test_a_slot_cleared_during_its_copy_is_a_load_error_even_with_its_header_bac
     assert w.get_kv_connector_stats().data.get("blocks_loaded", 0) == 0
 
 
+def test_a_slot_refilled_during_its_copy_fails_the_load_without_blaming_the_block(worker_and_tier, monkeypatch):
+    """The CPU path: a slot reused while it was copied and refilled with
+    another block (its hash fails too) is a load error, but the key is not
+    reported corrupt: the index may hold it in another slot by then, and
+    forgetting it would drop a good block."""
+    import kvtier.connector.worker as worker_module
+
+    w, tier, kv = worker_and_tier
+    save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
+    copy = worker_module.scatter_checked
+
+    def refilled_meanwhile(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        tier.clear(0, b"x" * 16)  # another block's turn in the slot
+        tier.rank_view(0, 0).numpy()[:] = 0x5A
+        return copy(*args, **kw)
+
+    monkeypatch.setattr(worker_module, "scatter_checked", refilled_meanwhile)
+    w.start_load_kv(StepPlan(step=1, arena=tier.path, loads=[BlockCopy(9, 0, b"a" * 16)]))
+    assert w.get_block_ids_with_load_errors() == {9}
+    assert w.build_report().corrupt_keys == []
+    assert w.get_kv_connector_stats().data.get("blocks_loaded", 0) == 0
+
+
 @pytest.fixture
 def side(make_tier, capacity_for) -> SchedulerSide:
     tier = make_tier(capacity_for(32, 4096), 4096)

@@ -694,7 +694,8 @@ class KvtierConnector(KVConnectorBase_V1):
         except Exception:  # noqa: BLE001 - an error here is a copy that failed: never a crash
             log.exception("kvtier: waiting for the loads of %s failed; the step's loads are recomputed",
                           layer_name)
-            self._worker.fail_loads(self._get_connector_metadata())
+            if self.has_connector_metadata():  # else no plan, so nothing was loaded
+                self._worker.fail_loads(self._get_connector_metadata())
 
     @_on_engine_path
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:

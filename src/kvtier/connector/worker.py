@@ -334,10 +334,13 @@ class WorkerSide:
                     bad = [good[i] for i in failed]  # found bad before an exception: still reported corrupt
                 if good:
                     # Cleared since the snapshot (reused, even if its header
-                    # came back as it was): not what the hash checked.
-                    known = {id(c) for c in bad}
-                    reused = [c for c, same in zip(good, tier.headers_unchanged([c.slot for c in good], headers))
-                              if not same and id(c) not in known]
+                    # came back as it was): not what the hash checked. A
+                    # block that failed its hash on a slot reused meanwhile
+                    # is reused, not corrupt: its key may be held elsewhere
+                    # by then, which the index must not forget.
+                    unchanged = tier.headers_unchanged([c.slot for c in good], headers)
+                    bad = [good[i] for i in failed if unchanged[i]]
+                    reused = [c for c, same in zip(good, unchanged) if not same]
             else:
                 scatter_blocks(self._layers, self.layout, [c.block_id for c in good], self._slots,
                                [c.slot for c in good])
