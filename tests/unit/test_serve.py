@@ -195,12 +195,90 @@ def test_a_second_serve_on_a_folder_in_use_is_refused(tmp_path: Path) -> None:
     sup = waiter()
     try:
         record(tmp_path, [("supervisor", sup.pid, process_start_time(sup.pid))])
-        with pytest.raises(ServerError, match=f"pid {sup.pid}.*already runs there"):
-            Serve("m", 1, tmp_path, out=lambda *_: None).start()
+        second = Serve("m", 1, tmp_path, out=lambda *_: None)
+        with pytest.raises(ServerError, match=f"kvtier serve already runs there: supervisor \\(pid {sup.pid}\\)"):
+            second.start()
+        second.stop()  # what serve() does after a refused start: the first one's record stays
         assert json.loads((tmp_path / STATE_FILE).read_text())["processes"][0]["pid"] == sup.pid
+        assert sup.poll() is None
     finally:
         sup.kill()
         sup.wait()
+
+
+def test_processes_a_killed_supervisor_left_keep_their_folder(tmp_path: Path) -> None:
+    """Its children run in sessions of their own and outlive it: a new
+    serve on the folder would overwrite the record that names them."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = waiter()
+    try:
+        record(tmp_path, [("supervisor", gone.pid, 12345), ("meta", orphan.pid, process_start_time(orphan.pid))])
+        with pytest.raises(ServerError, match=f"processes of a kvtier serve already run.*meta \\(pid {orphan.pid}\\)"):
+            Serve("m", 1, tmp_path, out=lambda *_: None).start()
+        assert stop(str(tmp_path), timeout_s=10) == 0  # and kvtier stop still stops them
+        assert orphan.wait(10) == 7
+    finally:
+        if orphan.poll() is None:
+            orphan.kill()
+            orphan.wait()
+
+
+def _unused_pid() -> int:
+    pid = int(Path("/proc/sys/kernel/pid_max").read_text()) - 1
+    while Path(f"/proc/{pid}").exists():
+        pid -= 1
+    return pid
+
+
+def test_stop_signals_only_well_formed_entries(tmp_path: Path) -> None:
+    other = waiter()
+    try:
+        # A pid as text (it was taken as a number), and a null start time for
+        # a pid that does not exist (it matched, and os.kill of it raised).
+        entries = [{"role": "supervisor", "pid": str(other.pid), "start": process_start_time(other.pid)},
+                   {"role": "meta", "pid": _unused_pid(), "start": None}]
+        (tmp_path / STATE_FILE).write_text(json.dumps({"processes": entries}))
+        assert stop(str(tmp_path), timeout_s=2) == 0
+        assert other.poll() is None
+        assert not (tmp_path / STATE_FILE).exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_stop_refuses_a_record_others_may_have_written(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    other = waiter()
+    try:
+        record(tmp_path, [("supervisor", other.pid, process_start_time(other.pid))])
+        (tmp_path / STATE_FILE).chmod(0o666)  # anyone could have named any process in it
+        assert stop(str(tmp_path), timeout_s=2) == 1
+        assert "not a record of this user's kvtier serve" in capsys.readouterr().err
+        assert other.poll() is None and (tmp_path / STATE_FILE).exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_default_configs_never_replace_a_file_kvtier_did_not_write(tmp_path: Path) -> None:
+    from kvtier.tools.serve import default_configs
+
+    mine = tmp_path / "mmc-meta.conf"
+    mine.write_text("ock.mmc.meta_service_url = tcp://10.1.2.3:5000\n")  # the user's own
+    with pytest.raises(ServerError, match="mmc-meta.conf: not a file kvtier serve wrote"):
+        default_configs(tmp_path)
+    assert mine.read_text() == "ock.mmc.meta_service_url = tcp://10.1.2.3:5000\n"
+    mine.unlink()
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep")
+    mine.symlink_to(target)  # a link planted in a shared folder
+    with pytest.raises(ServerError, match="not a file kvtier serve wrote"):
+        default_configs(tmp_path)
+    assert target.read_text() == "keep"
+    mine.unlink()
+    meta, local = default_configs(tmp_path)
+    again = default_configs(tmp_path)  # its own files: rewritten
+    assert (meta, local) == again and meta.read_text().startswith("# written by kvtier serve")
 
 
 def test_a_busy_port_is_named_before_anything_starts(tmp_path: Path) -> None:

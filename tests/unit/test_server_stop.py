@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tools.serve import STATE_FILE, process_start_time, stop
-from kvtier.tools.server import session_pids, stop_group, vllm_shm_files
+from kvtier.tools.server import exit_status, session_pids, stop_group, vllm_shm_files, wait_exit
 
 # A stand-in for vLLM's process tree: the leader and a child in its session
 # each create and map files in /dev/shm, as vLLM's queues and CPU ranks do,
@@ -100,3 +100,15 @@ def test_kvtier_stop_without_a_supervisor_cleans_up_the_same_way(tmp_path: Path,
     assert p.wait(10) == 3  # SIGTERM reached the leader
     assert session_pids(p.pid) == []
     assert [k for k, name in shm_names.items() if Path("/dev/shm", name).exists()] == ["other"]
+
+
+def test_a_dead_leader_is_not_reaped_before_its_session_is_stopped() -> None:
+    """While a watcher only looks (exit_status, wait_exit), the dead leader
+    stays a zombie: its pid, its session's id, cannot go to another
+    program's session leader before stop_group has looked that session up."""
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(4)"], start_new_session=True)
+    assert wait_exit(p, 30) == 4
+    assert exit_status(p) == 4 and p.returncode is None
+    assert Path(f"/proc/{p.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    assert stop_group(p, signal.SIGINT, timeout_s=5, grace_s=0.5) == 4
+    assert p.returncode == 4  # reaped now, its session looked up first

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.tools.server import ServerError, log_tail, stop_group
+from kvtier.tools.server import ServerError, exit_status, log_tail, stop_group, wait_exit
 
 
 class MetaProcess:
@@ -62,8 +62,8 @@ class MetaProcess:
                 if stop is not None and stop.is_set():
                     self.stop()
                     raise ServerError("interrupted while the meta service started")
-                if self.proc.poll() is not None:
-                    raise ServerError(f"kvtier meta exited with {self.proc.returncode} during start-up; "
+                if (rc := exit_status(self.proc)) is not None:
+                    raise ServerError(f"kvtier meta exited with {rc} during start-up; "
                                       f"log {self.log_path}:\n{self.log_tail()}")
                 if ready.exists() and len(ready.read_text().splitlines()) == 2:
                     self.address, self.metrics_url = ready.read_text().splitlines()
@@ -81,11 +81,14 @@ class MetaProcess:
         """``kill -9``: no cleanup runs; the arena stays for the next start to remove."""
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        wait_exit(self.proc, 30.0)  # not reaped: stop() still finds its session by its id
 
     def stop(self) -> int | None:
+        """Stop the service's session (again: its status, nothing signalled)."""
         if self.proc is None:
             return None
+        if self.proc.returncode is not None:
+            return self.proc.returncode
         rc = stop_group(self.proc, signal.SIGTERM)
         self._log.close()
         return rc

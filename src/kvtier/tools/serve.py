@@ -32,8 +32,8 @@ import httpx
 
 from kvtier.hostmem import streaming_copy_env
 from kvtier.tools.meta import MetaProcess
-from kvtier.tools.server import (ServerError, free_port, log_tail, poll_until, remove_files, session_pids, signal_pids,
-                                 stop_group, vllm_shm_files)
+from kvtier.tools.server import (ServerError, exit_status, free_port, log_tail, poll_until, remove_files, session_pids,
+                                 signal_pids, stop_group, vllm_shm_files)
 
 STATE_FILE = "serve.json"
 # vLLM flags serve sets itself; given again, vLLM would take the last one
@@ -53,13 +53,44 @@ def process_start_time(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
+OWN_HEADER = "# written by kvtier serve\n"
+
+
+def write_own(path: Path, text: str) -> None:
+    """Write ``path`` unless it is a file kvtier serve did not write (one
+    without :data:`OWN_HEADER`: refused, naming it). Through a new file
+    renamed over it: a symbolic link there is replaced, not followed."""
+    if path.is_symlink() or (path.exists() and not _starts_with(path, OWN_HEADER)):
+        raise ServerError(f"{path}: not a file kvtier serve wrote; it is left as it is (move it, or choose "
+                          f"another --log-dir, or give --config-dir)")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a link or a leftover: removed, never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def _starts_with(path: Path, head: str) -> bool:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read(len(head)) == head
+    except OSError:
+        return False
+
+
+def open_log(path: Path) -> int:
+    """A log file opened for writing from its start, never through a symbolic link."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+
+
 def default_configs(folder: Path) -> tuple[Path, Path]:
     """Loopback config files for a node with nothing configured."""
     port, metrics = free_port(), free_port()
     meta, local = folder / "mmc-meta.conf", folder / "mmc-local.conf"
-    meta.write_text(f"# written by kvtier serve\nock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+    write_own(meta, f"{OWN_HEADER}ock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
                     f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{metrics}\n")
-    local.write_text(f"# written by kvtier serve\nock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
+    write_own(local, f"{OWN_HEADER}ock.mmc.meta_service_url = tcp://127.0.0.1:{port}\n"
                      "ock.mmc.local_service.protocol = host_shm\nock.mmc.local_service.dram.size = 1GB\n"
                      "ock.mmc.local_service.world_size = 1\n")
     return meta, local
@@ -103,14 +134,53 @@ def client_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def recorded(log_dir: Path) -> list[dict]:
+    """The processes ``log_dir``'s record names that still run as recorded:
+    a pid above 1 whose start time is the one recorded and whose owner is
+    this user. A record this user does not own is refused (ServerError):
+    anyone who can write the folder could name any process in it."""
+    path = log_dir / STATE_FILE
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise ServerError(f"{path}: {err.strerror}") from None
+    import stat as stat_mod
+
+    if not stat_mod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise ServerError(f"{path}: not a record of this user's kvtier serve (owner uid {st.st_uid}, mode "
+                          f"{stat_mod.S_IMODE(st.st_mode):o}); nothing signalled")
+    try:
+        procs = json.loads(path.read_text())["processes"]
+        if not isinstance(procs, list):
+            raise TypeError("processes is not a list")
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise ServerError(f"{path}: not a record kvtier serve wrote ({err}); nothing signalled") from None
+    return [p for p in procs if isinstance(p, dict) and _running_as_recorded(p)]
+
+
+def _running_as_recorded(p: dict) -> bool:
+    pid, start = p.get("pid"), p.get("start")
+    if type(pid) is not int or type(start) is not int or pid <= 1 or not isinstance(p.get("role"), str):
+        return False
+    return process_start_time(pid) == start and _owner(pid) == os.geteuid()
+
+
+def _owner(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def live_supervisor(log_dir: Path) -> int | None:
     """The pid of a ``kvtier serve`` still running on ``log_dir`` (its record names it), else None."""
     try:
-        state = json.loads((log_dir / STATE_FILE).read_text())
-        sup = next(p for p in state.get("processes", []) if p.get("role") == "supervisor")
-    except (OSError, ValueError, StopIteration, AttributeError):
+        procs = recorded(log_dir)
+    except ServerError:
         return None
-    return sup["pid"] if process_start_time(sup["pid"]) == sup.get("start") else None
+    return next((p["pid"] for p in procs if p["role"] == "supervisor"), None)
 
 
 @dataclass
@@ -157,6 +227,7 @@ class Serve:
         self.meta: MetaProcess | None = None
         self.instances: list[Instance] = []
         self._stop = threading.Event()
+        self._wrote = False  # the record in the log folder is this supervisor's
 
     def _write_state(self) -> None:
         procs = [("supervisor", os.getpid())]
@@ -167,8 +238,12 @@ class Serve:
                  "urls": [i.url for i in self.instances],
                  "metrics": self.meta.metrics_url if self.meta else ""}
         tmp = self.log_dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state, indent=1))
         tmp.replace(self.log_dir / STATE_FILE)
+        self._wrote = True
 
     def _start_instance(self, i: int, env: dict[str, str]) -> Instance:
         port = self.first_port + i if self.first_port else free_port()
@@ -176,15 +251,18 @@ class Serve:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", self.host, "--port", str(port), "--enable-prefix-caching",
                 "--kv-transfer-config", _transfer_config(), *self.vllm_args]
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        fd = open_log(log_path)
+        try:
+            proc = subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        finally:
+            os.close(fd)
         return Instance(i, port, proc, log_path, self.host)
 
     def _wait_ready(self, inst: Instance) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline and not self._stop.is_set():
-            if inst.proc.poll() is not None:
-                raise ServerError(f"vLLM instance {inst.index} exited with {inst.proc.returncode} during start-up; "
+            if (rc := exit_status(inst.proc)) is not None:
+                raise ServerError(f"vLLM instance {inst.index} exited with {rc} during start-up; "
                                   f"last lines of {inst.log_path}:\n{log_tail(inst.log_path, 20)}")
             try:
                 if httpx.get(inst.url + "/health", timeout=2).status_code == 200:
@@ -224,9 +302,13 @@ class Serve:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ServerError(f"--log-dir {self.log_dir}: {err.strerror}") from None
-        running = live_supervisor(self.log_dir)
-        if running is not None:
-            raise ServerError(f"--log-dir {self.log_dir}: kvtier serve (pid {running}) already runs there; "
+        running = recorded(self.log_dir)
+        if running:
+            # A supervisor, or processes a killed one left (they run in
+            # sessions of their own): a new record would hide them from kvtier stop.
+            who = ", ".join(f"{p['role']} (pid {p['pid']})" for p in running)
+            what = "kvtier serve" if any(p["role"] == "supervisor" for p in running) else "processes of a kvtier serve"
+            raise ServerError(f"--log-dir {self.log_dir}: {what} already runs there: {who}; "
                               f"stop it (kvtier stop --log-dir {self.log_dir}) or choose another folder")
         self._check_ports()
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
@@ -252,13 +334,15 @@ class Serve:
     def watch(self) -> int:
         """Until a stop signal (0) or a child's death (1)."""
         while not self._stop.wait(1.0):
+            # Not reaped here (exit_status): stop() finds what is left of a
+            # dead child's session by its id, which no other process can take meanwhile.
             for inst in self.instances:
-                if inst.proc.poll() is not None:
-                    self.out(f"vLLM instance {inst.index} exited with {inst.proc.returncode}; last lines of "
+                if (rc := exit_status(inst.proc)) is not None:
+                    self.out(f"vLLM instance {inst.index} exited with {rc}; last lines of "
                              f"{inst.log_path}:\n{log_tail(inst.log_path, 20)}")
                     return 1
-            if self.meta and self.meta.proc and self.meta.proc.poll() is not None:
-                self.out(f"the meta service exited with {self.meta.proc.returncode}; last lines of "
+            if self.meta and self.meta.proc and (rc := exit_status(self.meta.proc)) is not None:
+                self.out(f"the meta service exited with {rc}; last lines of "
                          f"{self.meta.log_path}:\n{self.meta.log_tail(20)}")
                 return 1
         return 0
@@ -271,10 +355,11 @@ class Serve:
             stop_group(inst.proc, signal.SIGTERM)
         if self.meta is not None:
             self.meta.stop()
-        try:
-            (self.log_dir / STATE_FILE).unlink()
-        except OSError:
-            pass
+        if self._wrote:  # another serve's record (a refused start) stays
+            try:
+                (self.log_dir / STATE_FILE).unlink()
+            except OSError:
+                pass
 
 
 def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm_args: list[str],
@@ -297,26 +382,35 @@ def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm
     return rc
 
 
-def stop(log_dir: str, timeout_s: float = 120.0) -> int:
+# How long the supervisor may take per process it stops (stop_group: 30 s
+# for the signal, 10 s of grace, 5 s after SIGKILL), plus a margin.
+STOP_S_PER_PROCESS = 45.0
+
+
+def stop(log_dir: str, timeout_s: float | None = None) -> int:
     """Stop what ``kvtier serve`` recorded in ``log_dir``: its supervisor
-    (which stops the rest), or each recorded process if it is gone."""
+    (which stops the rest), or each recorded process if it is gone. Only
+    processes that still run as recorded (pid, start time, this user) are
+    signalled (:func:`recorded`). ``timeout_s``: how long the supervisor
+    gets, by default as long as it may need for every process it stops."""
     path = Path(log_dir) / STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-        procs = [p for p in state.get("processes", []) if process_start_time(int(p["pid"])) == p["start"]]
-    except FileNotFoundError:
+    if not path.exists() and not path.is_symlink():
         print(f"kvtier stop: {path}: nothing recorded there (not serving?)", file=sys.stderr)
         return 1
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
-        print(f"kvtier stop: {path}: not a record kvtier serve wrote ({err}); nothing signalled", file=sys.stderr)
+    try:
+        procs = recorded(Path(log_dir))
+    except ServerError as err:
+        print(f"kvtier stop: {err}", file=sys.stderr)
         return 1
     if not procs:
         path.unlink(missing_ok=True)
         print(f"nothing recorded in {path} was running; removed the stale record")
         return 0
+    if timeout_s is None:
+        timeout_s = STOP_S_PER_PROCESS * len(procs) + 30.0
     sup = [p for p in procs if p["role"] == "supervisor"]
     if sup:
-        os.kill(sup[0]["pid"], signal.SIGTERM)
+        signal_pids([sup[0]["pid"]], signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and process_start_time(sup[0]["pid"]) == sup[0]["start"]:
             time.sleep(0.2)

@@ -139,6 +139,32 @@ def vllm_shm_files(pids: list[int]) -> set[str]:
     return found
 
 
+def exit_status(proc: subprocess.Popen) -> int | None:
+    """``proc``'s exit status once it has exited (as Popen gives it), else
+    None, without reaping it: until :func:`stop_group` reaps it, its pid,
+    which is also its session's id, cannot be given to another process, so
+    the session's members are found by that id and no stranger's are.
+    ``Popen.poll()`` would reap it, and a pid reused after that (by a new
+    session leader) would make another program's processes look like ours."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped by someone else (a wait() of the caller's)
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def wait_exit(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """:func:`exit_status` once ``proc`` exits within ``timeout_s``, else None; never reaps."""
+    deadline = time.monotonic() + timeout_s
+    while (rc := exit_status(proc)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rc
+
+
 def stop_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGINT, timeout_s: float = 30.0,
                grace_s: float = 10.0, files: set[str] | None = None) -> int:
     """Stop the session ``proc`` leads; returns ``proc``'s exit status.
@@ -153,19 +179,26 @@ def stop_group(proc: subprocess.Popen, first: signal.Signals = signal.SIGINT, ti
     since), and that are still there are removed: nothing else has them,
     and with tensor parallelism on CPU vLLM leaves its ranks' segments
     (2 x 4 MiB) behind on every stop.
+
+    ``proc`` is reaped last, once its session is empty (:func:`exit_status`).
+    One reaped before (by the caller) may have its pid in use by another
+    program's session already: only ``files`` are removed then.
     """
+    if proc.returncode is not None:
+        remove_files(set(files or ()))
+        return proc.returncode
     files = set(files or ()) | vllm_shm_files(session_pids(proc.pid))
-    if proc.poll() is None:
+    if exit_status(proc) is None:
         try:
             os.kill(proc.pid, first)
-            proc.wait(timeout_s)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
+        except ProcessLookupError:
             pass
-    if proc.poll() is not None:
+        wait_exit(proc, timeout_s)
+    if exit_status(proc) is not None:
         poll_until(lambda: not session_pids(proc.pid), grace_s)
     signal_pids(session_pids(proc.pid), signal.SIGKILL)
-    rc = proc.wait()
     poll_until(lambda: not session_pids(proc.pid), 5.0)
+    rc = proc.wait()
     remove_files(files)
     return rc
 
@@ -237,8 +270,8 @@ class VllmServer:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerError(f"vLLM exited with {self.proc.returncode} during start-up; "
+            if (rc := exit_status(self.proc)) is not None:
+                raise ServerError(f"vLLM exited with {rc} during start-up; "
                                   f"log {self.log_path}:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
@@ -250,10 +283,8 @@ class VllmServer:
         raise ServerError(f"vLLM not ready after {self.startup_timeout_s}s; log {self.log_path}:\n{self.log_tail()}")
 
     def wait_exit(self, timeout_s: float) -> int | None:
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
+        """The API server's exit status once it exits, not reaped (:meth:`stop` does)."""
+        return wait_exit(self.proc, timeout_s)
 
     def stop(self) -> None:
         if self.proc is None:
