@@ -55,6 +55,7 @@ import xxhash
 from kvtier.tier.dram import DramTier
 from kvtier.tier.ssd import BlockRecord, SsdTier, slots_for, table_pages
 from kvtier.tools.client import stream_completion
+from kvtier.tools.disk import prepare
 from kvtier.tools.model import build_model
 from kvtier.tools.server import ServerOptions, VllmServer
 
@@ -215,6 +216,8 @@ def main() -> int:
         for _ in range(args.reps):
             fw.append(fio(path, "write", args.blocks * BLOCK_BYTES, BLOCK_BYTES, args.threads))
             fr.append(fio(path, "read", args.blocks * BLOCK_BYTES, BLOCK_BYTES, args.threads))
+            # fio's data is not kvtier's: the tier would refuse the file. Given to it as an operator does.
+            prepare(path, size, force=True)
             for key, wr in tier_throughput(path, args.blocks, args.threads, args.batch).items():
                 runs.setdefault(key, []).append(wr)
     finally:

@@ -35,9 +35,10 @@ def _disk_prepare(args: argparse.Namespace) -> int:
     from kvtier.config import parse_size
     from kvtier.tools.disk import prepare
 
-    path = prepare(args.path, parse_size("--size", args.size), loop=args.loop, force=args.force)
+    path = prepare(args.path, parse_size("--size", args.size) if args.size else 0, loop=args.loop, force=args.force)
     print(path)
-    print(f'connector extra config: "ssd_path": "{path}", "ssd_size": "{args.size}"', file=sys.stderr)
+    size = f', "ssd_size": "{args.size}"' if args.size else ""
+    print(f'connector extra config: "ssd_path": "{path}"{size}', file=sys.stderr)
     print(f"config file:            ubsio.disk.path = {path}", file=sys.stderr)
     return 0
 
@@ -388,11 +389,13 @@ def parser() -> argparse.ArgumentParser:
 
     disk = sub.add_parser("disk", help="prepare, check and release SSD tier paths")
     dsub = disk.add_subparsers(dest="disk_command", required=True)
-    dp = dsub.add_parser("prepare", help="create a pre-allocated file (and a loop device on it)")
+    dp = dsub.add_parser("prepare", help="create a pre-allocated file (and a loop device on it), or give an "
+                                         "existing file or device to kvtier (--force: overwrites it)")
     dp.add_argument("path")
-    dp.add_argument("--size", required=True, help="e.g. 64GB")
+    dp.add_argument("--size", help="e.g. 64GB: the file's size (a block device keeps its own)")
     dp.add_argument("--loop", action="store_true", help="attach a loop device with direct I/O (root)")
-    dp.add_argument("--force", action="store_true", help="reuse an existing file")
+    dp.add_argument("--force", action="store_true", help="reuse an existing file or block device, overwriting "
+                                                         "its first and last MiB")
     dp.set_defaults(func=_disk_prepare)
     dc = dsub.add_parser("check", help="exclusivity, size, direct I/O, bandwidth (non-destructive)")
     dc.add_argument("paths", nargs="+")

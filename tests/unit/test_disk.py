@@ -41,7 +41,7 @@ def test_prepare_refuses_more_than_the_free_space(tmp_path: Path) -> None:
 def test_check_reports_a_usable_file_and_leaves_its_bytes_unchanged(tmp_path: Path) -> None:
     path = tmp_path / "a.img"
     prepare(str(path), 8 * MiB)
-    data = bytes(64 << 10) + os.urandom(8 * MiB - (64 << 10))  # zeros where the SSD tier looks
+    data = bytes(MiB) + os.urandom(6 * MiB) + bytes(MiB)  # zeros where the SSD tier looks: both ends
     path.write_bytes(data)
     rep = check(str(path), bench_bytes=4 * MiB)
     assert rep.ok, rep.problems
@@ -159,8 +159,8 @@ def test_prepare_force_makes_a_path_with_other_data_usable(tmp_path: Path) -> No
     assert not rep.ok and any("not kvtier's" in p for p in rep.problems)
     with pytest.raises(ConfigError, match="not kvtier's"):
         SsdTier.open([str(path)], None, 4096)
-    assert prepare(str(path), 2 * MiB, force=True) == str(path)
-    assert path.read_bytes()[: 64 << 10] == bytes(64 << 10)
+    assert prepare(str(path), 3 * MiB, force=True) == str(path)
+    assert path.read_bytes()[:MiB] == bytes(MiB) and path.read_bytes()[-MiB:] == bytes(MiB)
     assert check(str(path), bench_bytes=0).ok
     tier, recovered = SsdTier.open([str(path)], None, 4096)
     tier.close()

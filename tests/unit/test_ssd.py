@@ -30,9 +30,10 @@ import xxhash
 from kvtier.errors import ConfigError, TierIOError
 from kvtier.tier import ssd as ssd_module
 from kvtier.tier.ssd import BlockRecord, IoOps, SsdLocation, SsdTier
+from kvtier.tools.disk import prepare
 from tests.unit.conftest import HEADERS_PER_PAGE, PAGE, ssd_offsets, ssd_path_bytes
 
-SNIFF = 64 << 10  # the start of a path that must be zeros (or kvtier's) for it to be formatted
+SNIFF = 1 << 20  # each end of a path that must be zeros (or kvtier's) for it to be formatted
 
 SLOT = 2 * PAGE
 PER_PATH = 4  # slots per path
@@ -825,26 +826,36 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_a_file_holding_other_data_is_refused_and_left_byte_identical(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["start", "btrfs", "end"])
+def test_a_file_holding_other_data_is_refused_and_left_byte_identical(tmp_path: Path, layout: str) -> None:
     path = tmp_path / "photos.img"
-    path.write_bytes(bytes(SNIFF - 1) + b"\x01" + os.urandom(1 << 20))  # one byte set in the first 64 KiB
+    body = bytearray(4 << 20)
+    if layout == "start":
+        body[SNIFF - 1] = 1  # one byte set in the first MiB
+    elif layout == "btrfs":  # zeros up to 64 KiB, then btrfs's superblock (its magic at 0x10040)
+        body[0x10040 : 0x10048] = b"_BHRfS_M"
+    else:  # a label in the last MiB only (md 1.0, GPT's backup header)
+        body[-4096] = 0xA9
+    path.write_bytes(bytes(body))
     before = sha(path)
-    for size in (None, 4 << 20):  # also when ssd_size asks for a larger file
+    for size, force_new in ((None, False), (8 << 20, False), (None, True)):
+        # Also when ssd_size asks for a larger file, and with force_new_disk
+        # (which starts kvtier's own tier afresh, and claims no one's data).
         with pytest.raises(ConfigError) as info:
-            SsdTier.open([str(path)], size, SLOT)
+            SsdTier.open([str(path)], size, SLOT, force_new=force_new)
         assert (info.value.key, info.value.value) == ("ssd_path", str(path))
-        assert "not kvtier's" in str(info.value) and "force_new_disk" in str(info.value)
-        assert "kvtier disk prepare" in str(info.value)
+        assert "not kvtier's" in str(info.value) and f"kvtier disk prepare --force {path}" in str(info.value)
         assert sha(path) == before and _unlocked(str(path))
-    # Named with force_new, it is formatted.
-    tier, recovered = SsdTier.open([str(path)], None, SLOT, force_new=True)
+    # Given to kvtier by the operator, it is formatted.
+    prepare(str(path), 4 << 20, force=True)
+    tier, recovered = SsdTier.open([str(path)], None, SLOT)
     tier.close()
     assert len(recovered) == 0 and path.read_bytes()[:8] == b"KVTSSD01"
 
 
 def test_a_file_of_zeros_is_formatted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "zeros.img"
-    path.write_bytes(bytes(SNIFF) + os.urandom(1 << 20))  # only the start must be zeros
+    path.write_bytes(bytes(SNIFF) + os.urandom(1 << 20) + bytes(SNIFF))  # only the ends must be zeros
     caplog.set_level("INFO", logger="kvtier.tier.ssd")
     tier, recovered = SsdTier.open([str(path)], None, SLOT)
     tier.close()

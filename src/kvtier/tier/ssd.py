@@ -51,9 +51,10 @@ checksum is in the header. Reads verify the data checksum anyway, so a block
 that went bad on the medium is a miss, never wrong KV.
 
 What :meth:`SsdTier.open` formats (never anyone else's data): a path it
-creates, one whose first 64 KiB are zeros (``kvtier disk prepare`` leaves
-them so), one with kvtier's superblock (any format), or any path with
-``force_new``. Anything else, and a superblock that cannot be read, is a
+creates, one whose first and last MiB are zeros (``kvtier disk prepare``
+leaves them so: :func:`sniff_ranges`), or one with kvtier's superblock (any
+format); ``force_new`` starts kvtier's own tier afresh and claims nothing
+more. Anything else, and a superblock that cannot be read, is a
 :class:`ConfigError` naming the path. Before a file is created or grown the
 free space of its file system is checked, and whatever a failed start
 created is removed.
@@ -104,7 +105,7 @@ _HDR_MAGIC_U64 = int.from_bytes(_HDR_MAGIC, "little")
 FINGERPRINT_BYTES = 16
 _FLOOR = struct.Struct("<8sQ")  # after _SUPER in the superblock page: magic, lowest sequence number recovered
 _FLOOR_MAGIC = b"KVTFLOOR"
-SNIFF_BYTES = 64 << 10  # how much of a path's start must be zeros for it to count as unused
+SNIFF_BYTES = 1 << 20  # how much of each end of a path must be zeros for it to count as unused (sniff_ranges)
 _WRITE_RUN_PAGES = 64  # header pages per read-modify-write request: bounds the per-thread buffer
 _RECOVER_PAGES = 256  # header pages per recovery read (1 MiB, 16,384 headers)
 BLKGETSIZE64 = 0x80081272
@@ -506,11 +507,13 @@ class SsdTier:
                 o = found[-1]
                 o.kind, o.head = ("new", b"") if o.created else cls._sniff(path, fd, io)
             for o in found:
-                if o.kind == "foreign" and not force_new:
-                    raise ConfigError("ssd_path", o.path, "holds data that is not kvtier's (its first "
-                                      f"{SNIFF_BYTES >> 10} KiB are neither zeros nor a kvtier superblock): a "
-                                      "mistyped path or a disk that moved? To overwrite it, use force_new_disk or "
-                                      "kvtier disk prepare")
+                # Whatever force_new says: it starts kvtier's own tier afresh,
+                # it never claims a path that holds someone's data.
+                if o.kind == "foreign":
+                    raise ConfigError("ssd_path", o.path, "holds data that is not kvtier's (its first and last "
+                                      f"{SNIFF_BYTES >> 20} MiB are neither zeros nor a kvtier superblock): a "
+                                      "mistyped path or a disk that moved? To give it to kvtier, overwriting "
+                                      f"it: kvtier disk prepare --force {o.path}")
             for o in found:
                 _grow(o, want, io)
                 size = device_size(o.fd)
@@ -606,33 +609,35 @@ class SsdTier:
 
     @staticmethod
     def _sniff(path: str, fd: int, io: IoOps) -> tuple[str, bytes]:
-        """What the start of an existing path holds: ("kvtier" | "zeros" | "foreign", its first bytes).
+        """What an existing path holds: ("kvtier" | "zeros" | "foreign", its first bytes).
 
-        A read error is a :class:`ConfigError`: formatting after a transient
-        error would destroy a tier (or someone's data) that is there.
+        Its superblock page first: a kvtier path needs no more (the rest of
+        its start is header table, read at recovery). Else both ends
+        (:func:`sniff_ranges`) must be zeros. A read error is a
+        :class:`ConfigError`: formatting after a transient error would
+        destroy a tier (or someone's data) that is there.
         """
-        size = device_size(fd)
-        head = b""
-        # The superblock page first: a kvtier path needs no more (the rest
-        # of its first 64 KiB is header table, read at recovery).
-        for expect in (min(PAGE, size), min(SNIFF_BYTES, size)):
-            if expect == 0 or (head and head[: len(SUPER_MAGIC)] == SUPER_MAGIC):
-                break
-            buf = _aligned_page(-(-expect // PAGE))
+        ranges = sniff_ranges(device_size(fd))
+        if not ranges:
+            return "zeros", b""
+        chunks = []
+        for i, (off, n) in enumerate([(0, min(PAGE, ranges[0][1]))] + ranges):
+            buf = _aligned_page(-(-n // PAGE))
             try:
-                n = io.preadv(fd, [memoryview(buf)], 0)
+                got = io.preadv(fd, [memoryview(buf)], off)
             except OSError as err:
                 raise ConfigError("ssd_path", path, f"cannot read its superblock ({err.strerror}); not starting "
                                   "rather than format a disk that may hold data") from None
-            if n < expect:
-                raise ConfigError("ssd_path", path, f"short read of its superblock ({n} of {expect} bytes); not "
-                                  "starting rather than format a disk that may hold data")
-            head = bytes(buf[:expect])
-        if head[: len(SUPER_MAGIC)] == SUPER_MAGIC:
-            return "kvtier", head
-        if head.count(0) == len(head):
-            return "zeros", head
-        return "foreign", head
+            if got < n:
+                raise ConfigError("ssd_path", path, f"short read of its superblock ({got} of {n} bytes at "
+                                  f"{off}); not starting rather than format a disk that may hold data")
+            chunk = bytes(buf[:n])
+            if i == 0 and chunk[: len(SUPER_MAGIC)] == SUPER_MAGIC:
+                return "kvtier", chunk
+            if chunk.count(0) != n:
+                return "foreign", chunk
+            chunks.append(chunk)
+        return "zeros", chunks[1]
 
     @staticmethod
     def _write_super(p: _Path, epoch: int, fingerprint: bytes, io: IoOps) -> None:  # no floor: a new tier
@@ -886,6 +891,22 @@ class SsdTier:
                 self._io.fdatasync(p.fd)
 
 
+def sniff_ranges(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of the ranges of a path of ``size`` bytes that must
+    be zeros for it to count as unused, page-aligned: its first and its last
+    :data:`SNIFF_BYTES` (the last partial page left out). File systems and
+    volume managers mark both ends: btrfs at 64 KiB past the start (the
+    64 KiB before it may be zeros), md's 0.90 and 1.0 superblocks, GPT's
+    backup header and ZFS's last labels near the end."""
+    end = size - size % PAGE
+    head = min(SNIFF_BYTES, end)
+    ranges = [(0, head)] if head else []
+    tail = max(head, end - SNIFF_BYTES)
+    if end > tail:
+        ranges.append((tail, end - tail))
+    return ranges
+
+
 def _check_space(paths: list[str], stats: list[os.stat_result | None], want: int | None,
                  size_bytes: int | None) -> None:
     """Refuse, before anything is created or grown, files that their file systems have no room for."""
@@ -924,7 +945,7 @@ def _why_not_recover(found: list[_Opened], slot_bytes: int, fingerprint: bytes) 
     epochs = set()
     for i, o in enumerate(found):
         if o.kind != "kvtier":
-            return f"{o.path} is new" if o.kind in ("new", "zeros") else f"{o.path} is overwritten (force_new_disk)"
+            return f"{o.path} is new"  # created, or zeros (a path holding other data was refused)
         if len(o.head) < _SUPER.size:
             return f"{o.path}: superblock cut short"
         _, version, index, old_slot, old_n, epoch, _, old_fp = _SUPER.unpack_from(o.head)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.errors import ConfigError
-from kvtier.tier.ssd import PAGE, SNIFF_BYTES, SUPER_MAGIC, check_exclusive, device_size
+from kvtier.tier.ssd import PAGE, SUPER_MAGIC, check_exclusive, device_size, sniff_ranges
 
 _CHUNK = 1 << 20
 
@@ -59,18 +59,31 @@ def prepare(path: str, size_bytes: int, loop: bool = False, force: bool = False)
     """Create a pre-allocated file of ``size_bytes``; with ``loop`` attach a loop
     device with direct I/O on it. Returns the path to configure.
 
-    The file's first 64 KiB are zeros afterwards, also when ``force`` reuses
-    an existing file: the SSD tier formats only paths that start so (or are
-    its own), never one that holds someone's data, so preparing a path is
-    how an operator says "this one may be overwritten".
+    The file's first and last MiB (:func:`~kvtier.tier.ssd.sniff_ranges`)
+    are zeros afterwards, also when ``force`` reuses an existing file: the
+    SSD tier formats only paths that are zeros there (or are its own),
+    never one that holds someone's data, so preparing a path is how an
+    operator says "this one may be overwritten". With ``force``, an
+    existing block device (a partition, a disk) is prepared the same way,
+    its size kept.
     """
     size = size_bytes - size_bytes % PAGE
     if os.path.exists(path) and not force:
         raise ConfigError("path", path, "exists (pass --force to reuse it)")
     if os.path.exists(path):
-        why = _exclusive(path, os.stat(path))
+        st = os.stat(path)
+        why = _exclusive(path, st)
         if why:
             raise ConfigError("path", path, f"in use, not prepared: {why}")
+        if stat.S_ISBLK(st.st_mode):
+            fd = os.open(path, os.O_RDWR | os.O_EXCL)
+            try:
+                _zero_sniffed(fd, device_size(fd))
+            finally:
+                os.close(fd)
+            return path
+    if size <= 0:
+        raise ConfigError("--size", size_bytes, "a file needs a size of at least one page (e.g. 64GB)")
     parent = os.path.dirname(os.path.abspath(path)) or "."
     free = shutil.disk_usage(parent).free
     existing = os.path.getsize(path) if os.path.exists(path) else 0
@@ -79,8 +92,7 @@ def prepare(path: str, size_bytes: int, loop: bool = False, force: bool = False)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
-        os.pwrite(fd, bytes(min(SNIFF_BYTES, size)), 0)
-        os.fsync(fd)
+        _zero_sniffed(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
     if not loop:
@@ -95,6 +107,13 @@ def prepare(path: str, size_bytes: int, loop: bool = False, force: bool = False)
     except subprocess.CalledProcessError as err:
         raise ConfigError("--loop", path, f"losetup failed: {err.stderr.strip()}") from None
     return out.stdout.strip()
+
+
+def _zero_sniffed(fd: int, size: int) -> None:
+    """Zeros where the SSD tier looks for someone's data, made durable."""
+    for off, n in sniff_ranges(size):
+        os.pwrite(fd, bytes(n), off)
+    os.fsync(fd)
 
 
 def _exclusive(path: str, st: os.stat_result) -> str | None:
@@ -147,14 +166,18 @@ def check(path: str, bench_bytes: int = 256 << 20) -> DiskReport:
     try:
         rep.size_bytes = device_size(fd)
         buf = mmap.mmap(-1, _CHUNK)
-        head = min(SNIFF_BYTES, rep.size_bytes // PAGE * PAGE)
-        n = os.preadv(fd, [memoryview(buf)[:head]], 0) if head else 0
-        rep.direct_io = n == head
         # The tier formats only zeros or its own superblock: anything else is
         # someone's data, and the server would refuse to start on it.
-        if n == head and buf[:8] != SUPER_MAGIC and buf[:head].count(0) != head:
+        rep.direct_io, foreign = True, False
+        for i, (off, want) in enumerate(sniff_ranges(rep.size_bytes)):
+            n = os.preadv(fd, [memoryview(buf)[:want]], off)
+            rep.direct_io = rep.direct_io and n == want
+            if i == 0 and n >= 8 and buf[:8] == SUPER_MAGIC:
+                break
+            foreign = foreign or (n == want and buf[:want].count(0) != want)
+        if foreign:
             rep.problems.append("holds data that is not kvtier's (the SSD tier refuses it); "
-                                "kvtier disk prepare --force or force_new_disk overwrites it")
+                                f"kvtier disk prepare --force {path} overwrites it")
     except OSError as err:
         rep.problems.append(f"direct I/O read failed: {err.strerror}")
     finally:
