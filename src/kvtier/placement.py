@@ -134,7 +134,7 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
                            cluster_lookup_blocks=cluster.lookup_blocks if cluster is not None else 256)
     except BaseException:
         if ssd is not None:
-            ssd.close()
+            ssd.discard()  # the files it created go too
         tier.close()
         raise
 

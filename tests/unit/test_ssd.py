@@ -853,6 +853,22 @@ def test_a_file_holding_other_data_is_refused_and_left_byte_identical(tmp_path: 
     assert len(recovered) == 0 and path.read_bytes()[:8] == b"KVTSSD01"
 
 
+def test_discard_removes_only_what_the_open_created(tmp_path: Path) -> None:
+    """A start that fails after the tier opened (placement.open_store)
+    discards it: a file that open created goes, one that was there stays."""
+    made = tmp_path / "made.img"
+    tier, _ = SsdTier.open([str(made)], 4 << 20, SLOT)
+    assert tier.created == [str(made)]
+    tier.discard()
+    assert not made.exists()
+    kept = tmp_path / "kept.img"
+    prepare(str(kept), 4 << 20)
+    tier, _ = SsdTier.open([str(kept)], None, SLOT)
+    assert tier.created == []
+    tier.discard()
+    assert kept.exists() and kept.read_bytes()[:8] == b"KVTSSD01"
+
+
 def test_a_file_of_zeros_is_formatted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "zeros.img"
     path.write_bytes(bytes(SNIFF) + os.urandom(1 << 20) + bytes(SNIFF))  # only the ends must be zeros

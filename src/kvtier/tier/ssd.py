@@ -467,6 +467,7 @@ class SsdTier:
         self._seq_lock = threading.Lock()
         self._seq = 0
         self.floor = 0  # headers numbered below it are from before a reset: never recovered
+        self.created: list[str] = []  # paths open() created (discard() removes them)
 
     # --- life cycle -------------------------------------------------------
 
@@ -526,6 +527,7 @@ class SsdTier:
                 epoch = _SUPER.unpack_from(found[0].head)[5]
                 tier = cls(opened, epoch, io, fingerprint)
                 tier.floor = max(_read_floor(o.head) for o in found)
+                tier.created = [o.path for o in found if o.created]
                 recovered = tier._recover()
                 log.info("kvtier: SSD tier recovered %d blocks from %s", len(recovered), ":".join(paths))
                 return tier, recovered
@@ -536,6 +538,7 @@ class SsdTier:
             for p in opened:
                 cls._write_super(p, epoch, fingerprint, io)
             tier = cls(opened, epoch, io, fingerprint)
+            tier.created = [o.path for o in found if o.created]
             log.info("kvtier: SSD tier on %s starts empty (epoch %d): %s", ":".join(paths), epoch, why)
             return tier, Recovered.empty(tier.location)
         except BaseException:
@@ -655,6 +658,18 @@ class SsdTier:
             if p.fd >= 0:
                 os.close(p.fd)
                 p.fd = -1
+
+    def discard(self) -> None:
+        """:meth:`close`, then remove the files :meth:`open` created (a start
+        that failed after it: nothing it made is left; a path that was there
+        before is kept)."""
+        self.close()
+        for path in self.created:
+            try:
+                os.unlink(path)
+            except OSError as err:
+                log.warning("kvtier: could not remove %s after a failed start: %s", path, err)
+        self.created = []
 
     # --- geometry ---------------------------------------------------------
 
