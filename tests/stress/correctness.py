@@ -140,7 +140,7 @@ def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int
         # counted.
         srv.kill()
         killed.set()
-        srv.proc.wait()
+        srv.wait_exit(60)  # not reaped: stop() sweeps what is left of its session
         return sum(f.result() for f in futs)
 
 
@@ -203,7 +203,7 @@ COUNTERS = ("vllm:external_prefix_cache_hits_total", 'vllm:prompt_tokens_cached_
 
 def run(opts: StressOptions) -> dict:
     from kvtier.tools.model import build_model
-    from kvtier.tools.server import VllmServer
+    from kvtier.tools.server import VllmServer, exit_status
     from tests.e2e.conftest import server_options
 
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="kvtier-stress-"))
@@ -261,7 +261,7 @@ def run(opts: StressOptions) -> dict:
         faults["ssd bytes flipped (2)"] = flip_file(str(ssd), 1 << 20, 200 << 10)
         got.update(answer_all(srv.url, prompts, range(two_thirds, n), opts.concurrency))
         add(m0, srv.metrics())
-        alive = srv.proc is not None and srv.proc.poll() is None
+        alive = srv.proc is not None and exit_status(srv.proc) is None  # not reaped: stop() sweeps its session
     t_kvtier = time.monotonic() - t0
     ssd.unlink()
 

@@ -90,7 +90,7 @@ def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: 
          kvtier: bool = True, env: dict[str, str] | None = None, overrides: dict[str, str] | None = None,
          num_gpu_blocks: int = 128) -> dict:
     from kvtier.tools.model import build_model
-    from kvtier.tools.server import VllmServer
+    from kvtier.tools.server import VllmServer, exit_status
     from tests.e2e.conftest import server_options
 
     work = Path(workdir or tempfile.mkdtemp(prefix="kvtier-soak-"))
@@ -159,7 +159,7 @@ def soak(streams: int, minutes: float, interval_s: float, warmup: int, workdir: 
         stop.set()
         for t in threads:
             t.join(timeout=330)
-        alive = srv.proc is not None and srv.proc.poll() is None
+        alive = srv.proc is not None and exit_status(srv.proc) is None  # not reaped: stop() sweeps its session
     if ssd.exists():
         ssd.unlink()
     return {"streams": streams, "minutes": minutes, "samples": samples, "failures": len(failures),

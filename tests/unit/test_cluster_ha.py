@@ -36,7 +36,7 @@ from kvtier.cluster.master import MasterSupervisor, master_role  # noqa: E402
 from kvtier.config import ClusterConfig  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
-from kvtier.tools.server import ServerError, free_port, parse_metrics  # noqa: E402
+from kvtier.tools.server import ServerError, exit_status, free_port, parse_metrics  # noqa: E402
 from tests.unit.helpers import JsonLineProcess, freeze, wait_for  # noqa: E402
 
 CLIENT = Path(__file__).with_name("cluster_ha_client.py")
@@ -117,7 +117,7 @@ class Node:
                 if k.startswith("kvtier_cluster_master_role{") and v == 1]
 
     def kill(self) -> None:
-        if self.proc.proc is not None and self.proc.proc.poll() is None:
+        if self.proc.proc is not None and exit_status(self.proc.proc) is None:
             self.proc.kill()  # the process group: kvtier meta and its mooncake_master
 
 

@@ -947,6 +947,26 @@ def test_http_connections_past_the_cap_are_closed_and_the_others_served(service:
         h.stop()
 
 
+def test_an_http_request_trickled_past_its_deadline_is_dropped(http_server: PoolHttp) -> None:
+    """A byte every 0.2 s restarts a socket's timeout (0.5 s here) at each
+    read; the request as a whole must arrive within it."""
+    host, port = http_server.server.server_address[:2]
+    s = socket.create_connection((host, port))
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40 + b"\r\n\r\n"
+    closed = False
+    try:
+        for i in range(len(request)):  # ~0.2 s a byte: the whole request would take seconds
+            s.sendall(request[i : i + 1])
+            time.sleep(0.2)
+    except OSError:
+        closed = True
+    if not closed:
+        s.settimeout(10)
+        assert not s.recv(4096).startswith(b"HTTP/1.0 200")  # dropped, never answered
+    s.close()
+    assert httpx.get(http_server.url + "/health", timeout=5).status_code == 200
+
+
 def test_a_hello_trickled_past_its_deadline_is_refused(service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
     """A byte every 0.2 s restarts a socket's timeout at each read; the
     Hello as a whole must arrive within HELLO_WAIT_S."""
@@ -965,22 +985,26 @@ def test_a_hello_trickled_past_its_deadline_is_refused(service: MetaService, mon
         assert isinstance(reply, wire.Error) and "in time" in reply.message
     s.close()
     assert [x.name for x in service.sessions()] == []
-    assert poll_until(lambda: service.connections == 0, 10)
+    assert poll_until(lambda: service.handshakes == 0, 10)
 
 
-def test_connections_past_the_cap_are_closed_at_once(service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool_service, "MAX_CONNECTIONS", 3)
+def test_handshakes_past_the_cap_are_closed_at_once_and_sessions_are_not_counted(
+        service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_service, "MAX_HANDSHAKES", 3)
+    instances = [client(service, name=f"i{i}") for i in range(4)]  # sessions: more than the cap, all taken
     idle = [_raw(service) for _ in range(3)]  # connected, no Hello yet: each holds a thread
     try:
-        assert poll_until(lambda: service.connections == 3, 10)
+        assert poll_until(lambda: service.handshakes == 3, 10)
         extra = _raw(service)
         assert extra.recv(1) == b""  # closed at once, before any Hello
         extra.close()
         assert service.refused_connections == 1
+        assert all(c.connected and c.probe(keys(60, 1)).total == 0 for c in instances)  # still served
         idle.pop().close()
-        assert poll_until(lambda: service.connections == 2, 10)
+        assert poll_until(lambda: service.handshakes == 2, 10)
         c = client(service)  # one freed: an instance gets in
         assert c.connected and c.probe(keys(60, 1)).total == 0
+        assert service.handshakes == 2
     finally:
         for s in idle:
             s.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -255,6 +256,11 @@ def test_stop_refuses_a_record_others_may_have_written(tmp_path: Path, capsys: p
         assert stop(str(tmp_path), timeout_s=2) == 1
         assert "not a record of this user's kvtier serve" in capsys.readouterr().err
         assert other.poll() is None and (tmp_path / STATE_FILE).exists()
+        # Writable by the user's own group (an earlier version's record under umask 002): taken.
+        os.chown(tmp_path / STATE_FILE, -1, os.getegid())
+        (tmp_path / STATE_FILE).chmod(0o664)
+        assert stop(str(tmp_path), timeout_s=20) == 0
+        assert other.wait(10) == 7
     finally:
         other.kill()
         other.wait()

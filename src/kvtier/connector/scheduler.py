@@ -367,6 +367,9 @@ class SchedulerSide:
             # a slot are held by then, and skipped).
             st.saved_blocks = pairs[slots.placed][0] if slots.placed < len(pairs) else n_full
         self._note_loading()
+        # The arena first, then the epoch: a reconnection that changed the
+        # arena has changed the epoch before it (PoolPlacement._install_locked).
+        arena = self.store.arena_path
         if self._plan_epoch is not None and self.store.epoch != self._plan_epoch:
             # The placement reconnected while the step was planned: slots
             # from the session before mean nothing now (the service released
@@ -376,7 +379,7 @@ class SchedulerSide:
                         "recompute and its saves are planned again", step)
             return self.failed_step_plan()
         self._plan_epoch = None
-        plan.arena = self.store.arena_path
+        plan.arena = arena
         plan.delayed = self._take_delayed()
         self._loads_this_step = []
         self._step += 1

@@ -169,10 +169,10 @@ class PoolPlacement:
         return sock, msg
 
     def _install_locked(self, sock: socket.socket, welcome: wire.Welcome) -> None:
+        self._epoch += 1  # first: a reader that sees the new arena sees the new epoch too
         self._sock = sock
         self._welcome = welcome
         self._next_id = 1
-        self._epoch += 1
         self._last_call = time.monotonic()
 
     def _reconnect(self) -> None:
@@ -243,10 +243,7 @@ class PoolPlacement:
                 return None
             try:
                 assert self._sock is not None
-                while self._deferred:
-                    epoch, earlier = self._deferred.popleft()
-                    if epoch == self._epoch:  # else made for a session that has ended
-                        self._send_unanswered_locked(earlier)
+                self._send_deferred_locked()
                 mid = self._next_id
                 self._next_id += 1
                 msg.id = mid  # type: ignore[attr-defined]
@@ -285,7 +282,22 @@ class PoolPlacement:
                 self._backoff = BACKOFF_FIRST_S  # the service does real work again
             return reply
         finally:
+            if self._deferred and self._sock is not None:
+                # Deferred while this call held the connection (the engine's,
+                # while the ping thread waited): sent now, not at the next
+                # call, which may be a lease's third away on an idle engine.
+                try:
+                    self._send_deferred_locked()
+                except OSError as err:
+                    self._drop_locked(err)
             self._lock.release()
+
+    def _send_deferred_locked(self) -> None:
+        assert self._sock is not None
+        while self._deferred:
+            epoch, earlier = self._deferred.popleft()
+            if epoch == self._epoch:  # else made for a session that has ended
+                self._send_unanswered_locked(earlier)
 
     def _send_unanswered_locked(self, msg: msgspec.Struct) -> None:
         """Send ``msg`` without waiting for its reply (read by a later call)."""

@@ -22,10 +22,12 @@ capacity figures and no blocks to query.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,6 +48,25 @@ HTTP_TIMEOUT_S = 10.0  # an idle or stalled HTTP connection is dropped after thi
 
 
 MAX_HTTP_CONNECTIONS = 32  # served at once (a thread each); past this a new one is closed at once
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, all of them by ``deadline`` (``time.monotonic()``):
+    each read waits for the time left, so a peer that sends a byte now and
+    then cannot keep a request open past it."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(b)
 
 
 class _Server(ThreadingHTTPServer):
@@ -258,6 +279,12 @@ class PoolHttp:
             # descriptor for good.
             timeout = HTTP_TIMEOUT_S
 
+            def setup(self) -> None:
+                super().setup()
+                # The whole request (line, headers, body) within HTTP_TIMEOUT_S
+                # of the connection, not each read.
+                self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + HTTP_TIMEOUT_S))
+
             def log_message(self, fmt: str, *args: object) -> None:
                 log.debug("kvtier meta http: " + fmt, *args)
 
@@ -292,6 +319,7 @@ class PoolHttp:
         self.server.server_close()
 
     def _dispatch(self, h: BaseHTTPRequestHandler, body: bytes | None) -> None:
+        h.connection.settimeout(HTTP_TIMEOUT_S)  # the reply's writes: not bound by the request's deadline
         url = urlsplit(h.path)
         q = parse_qs(url.query)
         try:

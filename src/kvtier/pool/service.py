@@ -61,10 +61,12 @@ STATS_PREFIX = "kvtier-poolstats-"  # the counters page beside the arena (pool/s
 STATS_EVERY_S = 0.1  # how often the counters page is rewritten
 HELLO_MAX = 64 << 10  # bytes a handshake may take, before the client is known
 HELLO_WAIT_S = 10.0  # the whole Hello must arrive within this long of the connection
-# Connections served at once (each a thread and a descriptor): instances
-# need one each; past this, a new one is closed at once, so that peers that
-# connect and stall cannot use up the service's descriptors.
-MAX_CONNECTIONS = 256
+# Connections still in their handshake at once (each a thread and a
+# descriptor, for HELLO_WAIT_S at most); past this, a new one is closed at
+# once, so that peers that connect and stall cannot use up the service's
+# descriptors. Sessions (a Hello taken, with the token when one is set) are
+# not counted: an instance that has one is never refused for this.
+MAX_HANDSHAKES = 64
 _LOW_STEP = -(1 << 62)
 
 
@@ -159,8 +161,8 @@ class MetaService:
         self.sessions_started = 0
         self.sessions_expired = 0
         self.bad_messages = 0
-        self.connections = 0  # being served now
-        self.refused_connections = 0  # closed at once: MAX_CONNECTIONS were being served
+        self.handshakes = 0  # connections in their handshake now
+        self.refused_connections = 0  # closed at once: MAX_HANDSHAKES were in their handshake
         self._refused_logged = float("-inf")
         self.rpc_seconds: Callable[[str, float], None] | None = None  # metrics hook
         self.cluster_master = None  # the MasterSupervisor beside this service (master node), for /metrics
@@ -365,18 +367,18 @@ class MetaService:
                 time.sleep(0.1)
                 continue
             with self._lock:
-                full = self.connections >= MAX_CONNECTIONS
+                full = self.handshakes >= MAX_HANDSHAKES
                 if full:
                     self.refused_connections += 1
                 else:
-                    self.connections += 1
+                    self.handshakes += 1
             if full:
                 conn.close()
                 now = time.monotonic()
                 if now - self._refused_logged >= 10.0:
                     self._refused_logged = now
-                    log.warning("kvtier meta: %d connections open, the most served at once; new ones are "
-                                "closed (%d so far)", MAX_CONNECTIONS, self.refused_connections)
+                    log.warning("kvtier meta: %d connections in their handshake, the most at once; new ones are "
+                                "closed (%d so far)", MAX_HANDSHAKES, self.refused_connections)
                 continue
             try:
                 threading.Thread(target=self._serve, name="kvtier-meta-conn", args=(conn, str(peer or "unix")),
@@ -385,15 +387,21 @@ class MetaService:
                 log.warning("kvtier meta: cannot start a thread for a connection (%s); closed", err)
                 conn.close()
                 with self._lock:
-                    self.connections -= 1
+                    self.handshakes -= 1
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         session: Session | None = None
+        handshaking = True
         try:
             conn.settimeout(None)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = self._handshake(conn, peer)
+            try:
+                session = self._handshake(conn, peer)
+            finally:
+                with self._lock:
+                    self.handshakes -= 1
+                handshaking = False
             if session is None:
                 return
             while not self._stop.is_set() and not session.ended:
@@ -432,10 +440,14 @@ class MetaService:
             log.exception("kvtier meta: connection from %s failed", peer)
         finally:
             if session is not None:
-                self._end(session, "connection closed")
+                try:
+                    self._end(session, "connection closed")
+                except Exception:  # noqa: BLE001 - the socket is closed all the same
+                    log.exception("kvtier meta: ending session %d failed", session.id)
             conn.close()
-            with self._lock:
-                self.connections -= 1
+            if handshaking:  # failed before the handshake began
+                with self._lock:
+                    self.handshakes -= 1
 
     def _handshake(self, conn: socket.socket, peer: str) -> Session | None:
         try:

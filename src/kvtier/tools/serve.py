@@ -148,7 +148,10 @@ def recorded(log_dir: Path) -> list[dict]:
         raise ServerError(f"{path}: {err.strerror}") from None
     import stat as stat_mod
 
-    if not stat_mod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+    # Writable by others, or by a group not the user's own (records of
+    # earlier versions took the umask: 0664 under a user-private group).
+    shared = st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid())
+    if not stat_mod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or shared:
         raise ServerError(f"{path}: not a record of this user's kvtier serve (owner uid {st.st_uid}, mode "
                           f"{stat_mod.S_IMODE(st.st_mode):o}); nothing signalled")
     try:
