@@ -148,9 +148,9 @@ def recorded(log_dir: Path) -> list[dict]:
         raise ServerError(f"{path}: {err.strerror}") from None
     import stat as stat_mod
 
-    # Writable by others, or by a group not the user's own (records of
-    # earlier versions took the umask: 0664 under a user-private group).
-    shared = st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid())
+    # Writable by others, or by a group that is not this user's private one
+    # (records of earlier versions took the umask: 0664 under a user-private group).
+    shared = st.st_mode & 0o002 or (st.st_mode & 0o020 and not _private_group(st.st_gid))
     if not stat_mod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or shared:
         raise ServerError(f"{path}: not a record of this user's kvtier serve (owner uid {st.st_uid}, mode "
                           f"{stat_mod.S_IMODE(st.st_mode):o}); nothing signalled")
@@ -161,6 +161,21 @@ def recorded(log_dir: Path) -> list[dict]:
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise ServerError(f"{path}: not a record kvtier serve wrote ({err}); nothing signalled") from None
     return [p for p in procs if isinstance(p, dict) and _running_as_recorded(p)]
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's alone: named after the user,
+    no other members listed, and no other user's primary group."""
+    import grp
+    import pwd
+
+    try:
+        group, me = grp.getgrgid(gid), pwd.getpwuid(os.geteuid())
+    except KeyError:
+        return False
+    if group.gr_name != me.pw_name or any(m != me.pw_name for m in group.gr_mem):
+        return False
+    return all(u.pw_gid != gid or u.pw_uid == me.pw_uid for u in pwd.getpwall())
 
 
 def _running_as_recorded(p: dict) -> bool:
