@@ -213,13 +213,16 @@ def test_processes_a_killed_supervisor_left_keep_their_folder(tmp_path: Path) ->
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     orphan = waiter()
+    second = Serve("m", 1, tmp_path, out=lambda *_: None)
     try:
         record(tmp_path, [("supervisor", gone.pid, 12345), ("meta", orphan.pid, process_start_time(orphan.pid))])
         with pytest.raises(ServerError, match=f"processes of a kvtier serve already run.*meta \\(pid {orphan.pid}\\)"):
-            Serve("m", 1, tmp_path, out=lambda *_: None).start()
+            second.start()
+        assert second.meta is None  # refused before anything started
         assert stop(str(tmp_path), timeout_s=10) == 0  # and kvtier stop still stops them
         assert orphan.wait(10) == 7
     finally:
+        second.stop()  # a start not refused (a regression) leaves no meta service running
         if orphan.poll() is None:
             orphan.kill()
             orphan.wait()
