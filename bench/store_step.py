@@ -48,6 +48,7 @@ import argparse
 import gc
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -56,7 +57,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.policy import LruPolicy
-from kvtier.store import TieredStore
+from kvtier.store import EntryState, TieredStore
 from kvtier.tier.dram import DramTier, checksum
 from kvtier.tier.ssd import IoOps, SsdTier
 
@@ -139,12 +140,15 @@ def measure(entries: int, steps: int, saves: int, shm_dir: str, ssd_dir: str, ru
             store.wait_idle()
             step += 1
         after = store.counters()
+        stats_ms, walk_ms = statistics_ms(store, n, step)
+        step += 1
         ms = np.array(times) * 1e3
         out = {
             "entries": entries, "slots": num_slots, "p50": float(np.percentile(ms, 50)),
             "p99": float(np.percentile(ms, 99)), "max": float(ms.max()),
             "evicted": after["evictions"] - before["evictions"],
             "copied": after["blocks_demoted"] - before["blocks_demoted"],
+            "stats_ms": stats_ms, "walk_ms": walk_ms,
         }
         if run_blocks:
             out["run"] = saves_run(store, run_blocks, saves, n, step)
@@ -195,6 +199,34 @@ def saves_run(store: TieredStore, blocks: int, saves: int, n: int, step: int) ->
             "p99": float(np.percentile(ms, 99)), "p999": float(np.percentile(ms, 99.9)), "max": float(ms.max()),
             "over_20ms": int((ms > 20).sum()), "evicted": after["evictions"] - before["evictions"],
             "full_gcs": len(full), "full_gc_ms": max(full, default=0.0)}
+
+
+def statistics_ms(store: TieredStore, saved: int, step: int) -> tuple[float, float]:
+    """(ms) ``store.statistics()`` (what /metrics and /health read, under the
+    store's lock) with a 4,096-key load pinned, and, the peer, the walk of
+    every entry it did before: medians of 5."""
+    keys = [key(i) for i in range(max(0, saved - 4096), saved)]  # the newest: held
+    assert None not in store.pin(keys, step)
+    try:
+        def walk() -> tuple[int, int]:
+            with store._lock:
+                entries_ = store._entries.values()
+                return (sum(1 for e in entries_ if e.state is not EntryState.READY),
+                        sum(1 for e in entries_ if e.pins))
+
+        st = store.statistics()
+        assert (st.pending_slots, st.pinned_slots) == walk(), "statistics differ from the walk"
+        out = []
+        for fn in (store.statistics, walk):
+            t = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                t.append(time.perf_counter() - t0)
+            out.append(statistics.median(t) * 1e3)
+        return out[0], out[1]
+    finally:
+        store.complete_step(step)
 
 
 def sort_ms(entries: int, reshuffled: bool = False) -> float:
@@ -250,6 +282,11 @@ def main() -> int:
     for r in rows:
         print(f"| {r['entries']} | {r['slots']} | {r['p50']:.3f} | {r['p99']:.3f} | {r['max']:.3f} | "
               f"{r['p50'] / base:.2f}x | {r['evicted']} | {r['copied']} |")
+    print("\n## The store's statistics (/metrics, /health), under its lock, a 4,096-key load pinned\n")
+    print("| DRAM blocks held | statistics() (ms) | walk of every entry, as before (ms) | statistics / walk |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['entries']} | {r['stats_ms']:.3f} | {r['walk_ms']:.1f} | {r['stats_ms'] / r['walk_ms']:.3f}x |")
     for r in rows:
         if "run" in r:
             x = r["run"]

@@ -85,47 +85,37 @@ def test_a_block_sealed_but_not_published_is_never_loaded(worker_and_tier, check
     assert not kv[9].any()  # never copied
 
 
-def test_a_slot_cleared_during_its_copy_is_a_load_error_even_with_its_header_back(worker_and_tier, monkeypatch):
-    """The CPU path: a slot reused while it was copied (a loader whose pin
-    was lost), then given back the very header it had (the block promoted
-    back into it), is a load error, not a good load nor a corrupt block."""
-    import kvtier.connector.worker as worker_module
-
-    w, tier, kv = worker_and_tier
-    save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
+def _header_back(tier) -> None:
     raw = bytes(tier._headers[0:1].view("u1"))
-    copy = worker_module.scatter_checked
-
-    def reused_meanwhile(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        tier.clear(0, b"x" * 16)  # another block's turn in the slot...
-        tier.restore_header(0, raw)  # ...then this block, promoted back with its header
-        tier.publish(0)
-        return copy(*args, **kw)
-
-    monkeypatch.setattr(worker_module, "scatter_checked", reused_meanwhile)
-    w.start_load_kv(StepPlan(step=1, arena=tier.path, loads=[BlockCopy(9, 0, b"a" * 16)]))
-    assert w.get_block_ids_with_load_errors() == {9}
-    assert w.build_report().corrupt_keys == []
-    assert w.get_kv_connector_stats().data.get("blocks_loaded", 0) == 0
+    tier.clear(0, b"x" * 16)  # another block's turn in the slot...
+    tier.restore_header(0, raw)  # ...then this block, promoted back with its header
+    tier.publish(0)
 
 
-def test_a_slot_refilled_during_its_copy_fails_the_load_without_blaming_the_block(worker_and_tier, monkeypatch):
-    """The CPU path: a slot reused while it was copied and refilled with
-    another block (its hash fails too) is a load error, but the key is not
-    reported corrupt: the index may hold it in another slot by then, and
-    forgetting it would drop a good block."""
+def _refilled(tier) -> None:
+    tier.clear(0, b"x" * 16)  # another block's turn in the slot, its bytes written (this hash fails too)
+    tier.rank_view(0, 0).numpy()[:] = 0x5A
+
+
+@pytest.mark.parametrize("meanwhile", [_header_back, _refilled], ids=["header-back", "refilled"])
+def test_a_slot_reused_during_its_copy_fails_the_load_without_blaming_the_block(worker_and_tier, monkeypatch,
+                                                                                meanwhile):
+    """The CPU path: a slot reused while it was copied (a loader whose pin
+    was lost) is a load error, not a good load, even if its header came
+    back as it was (the block promoted back into it); and not a corrupt
+    block either, even if its hash fails: the index may hold the key in
+    another slot by then, and forgetting it would drop a good block."""
     import kvtier.connector.worker as worker_module
 
     w, tier, kv = worker_and_tier
     save(w, tier, 0, block_id=2, slot=0, key=b"a" * 16)
     copy = worker_module.scatter_checked
 
-    def refilled_meanwhile(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        tier.clear(0, b"x" * 16)  # another block's turn in the slot
-        tier.rank_view(0, 0).numpy()[:] = 0x5A
+    def reused(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        meanwhile(tier)
         return copy(*args, **kw)
 
-    monkeypatch.setattr(worker_module, "scatter_checked", refilled_meanwhile)
+    monkeypatch.setattr(worker_module, "scatter_checked", reused)
     w.start_load_kv(StepPlan(step=1, arena=tier.path, loads=[BlockCopy(9, 0, b"a" * 16)]))
     assert w.get_block_ids_with_load_errors() == {9}
     assert w.build_report().corrupt_keys == []
