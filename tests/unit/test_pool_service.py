@@ -359,8 +359,15 @@ def _frame_of(raw: object) -> bytes:
     (struct.pack("<I", wire.MAX_FRAME + 1), "bad-request", "over the"),
     (wire.encode(wire.Hello(wire.PROTOCOL_VERSION + 1, "", "x", 1, 1, RANK_BYTES)), "version", "speaks"),
     (wire.encode(wire.Probe(1, b"k" * 16)), "bad-request", "expected Hello first"),
+    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "n" * (wire.NAME_MAX + 1), 1, 1, RANK_BYTES)),
+     "bad-request", "Hello.name"),
+    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "a\nforged log line", 1, 1, RANK_BYTES)),
+     "bad-request", "Hello.name"),
+    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", pool_service.ENDED_INSTANCES, 1, 1, RANK_BYTES)),
+     "bad-request", "Hello.name"),
 ] + [(f, "bad-request", "expected Hello") for f in _random_frames(10)],
-    ids=["truncated", "oversized", "wrong-version", "no-hello-first"] + [f"random-{i}" for i in range(10)])
+    ids=["truncated", "oversized", "wrong-version", "no-hello-first", "name-too-long", "name-line-break",
+         "name-reserved"] + [f"random-{i}" for i in range(10)])
 def test_bad_frames_before_the_hello_are_refused_and_the_service_keeps_serving(service: MetaService, frame: bytes,
                                                                                code: str, says: str) -> None:
     good = client(service)
@@ -848,6 +855,40 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
     return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
             for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def test_lookup_counts_keep_a_bounded_number_of_ended_instances_and_lose_no_count(
+        service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Instances are named after their process, so every restart brings a
+    new name: names gone longer than the last few are summed under one."""
+    monkeypatch.setattr(pool_service, "ENDED_NAMES_KEPT", 3)
+    live = client(service, name="live@1")
+    ks = keys(60, 8)
+    save(live, ks, step=1)
+    assert live.probe(ks).ready == 8
+    names = [f"m@{100 + i}" for i in range(7)]
+    for i, name in enumerate(names):
+        c = client(service, name=name)
+        assert c.probe(ks[: i + 1] + keys(61, 1)).ready == i + 1
+        sid = c.session
+        c.shutdown()
+        assert poll_until(lambda: all(s.id != sid for s in service.sessions()), timeout_s=10)
+    again = client(service, name=names[-1])  # a kept name back: counted on, and no longer among the ended
+    assert again.probe(ks[:1]).ready == 1
+    again.shutdown()
+    by = service.lookups_by_instance()
+    assert set(by) == {"live@1", *names[-3:], pool_service.ENDED_INSTANCES}
+    assert by["live@1"] == (8, 8, 0, 0)
+    assert by[names[-1]] == (8 + 1, 7 + 1, 0, 0)
+    assert by[pool_service.ENDED_INSTANCES] == (sum(i + 2 for i in range(4)), sum(i + 1 for i in range(4)), 0, 0)
+    assert sum(t[0] for t in by.values()) == 8 + sum(i + 2 for i in range(7)) + 1
+
+
+def test_a_client_makes_its_name_one_the_service_takes(service: MetaService) -> None:
+    c = client(service, name="((" + "/models/" + "x" * 300 + "\n@42")
+    assert c.session >= 0
+    (s,) = service.sessions()
+    assert s.name.endswith("x?@42") and len(s.name) == wire.NAME_MAX and not s.name.startswith("(")
 
 
 def test_metrics_and_queries_say_what_the_pool_holds_and_did(service: MetaService, http_server: PoolHttp) -> None:

@@ -88,7 +88,7 @@ class PoolPlacement:
         self._where = parse_url(url)
         self.ranks = ranks
         self.rank_bytes = rank_bytes
-        self.name = name or f"vllm-{os.getpid()}"
+        self.name = wire.instance_name(name) or f"vllm-{os.getpid()}"
         self.token = token if token is not None else os.environ.get("KVTIER_TOKEN", "")
         self.timeout_s = timeout_s
         self._lock = threading.Lock()

@@ -67,6 +67,13 @@ HELLO_WAIT_S = 10.0  # the whole Hello must arrive within this long of the conne
 # descriptors. Sessions (a Hello taken, with the token when one is set) are
 # not counted: an instance that has one is never refused for this.
 MAX_HANDSHAKES = 64
+# Instance names kept one by one in the lookup counts after their last
+# session ended. An instance is named after its process (``model@pid``), so
+# every restart brings a new name: past this many, the oldest ended name's
+# counts are added to ENDED_INSTANCES, and memory and /metrics' label sets
+# stay bounded however often instances come and go.
+ENDED_NAMES_KEPT = 64
+ENDED_INSTANCES = "(ended)"  # no instance has it: wire.InstanceName cannot start with "("
 _LOW_STEP = -(1 << 62)
 
 
@@ -166,9 +173,11 @@ class MetaService:
         self._refused_logged = float("-inf")
         self.rpc_seconds: Callable[[str, float], None] | None = None  # metrics hook
         self.cluster_master = None  # the MasterSupervisor beside this service (master node), for /metrics
-        # Per instance name, kept after its sessions end: keys looked up,
-        # found in DRAM, found on SSD only.
+        # Per instance name, kept after its sessions end (the last
+        # ENDED_NAMES_KEPT names, oldest first in _ended_names): keys looked
+        # up, found in DRAM, found on SSD only, found in the cluster only.
         self._lookups: dict[str, list[int]] = {}
+        self._ended_names: dict[str, None] = {}
 
     # --- lifecycle --------------------------------------------------------
 
@@ -494,6 +503,7 @@ class MetaService:
             self._next_session += 1
             session = Session(sid, msg.name or f"pid {msg.pid}", msg.pid, conn, peer)
             self._sessions[sid] = session
+            self._ended_names.pop(session.name, None)
             self.sessions_started += 1
         page = self._stats_page
         try:
@@ -640,6 +650,7 @@ class MetaService:
                 # gone from /health has nothing left in the pool.
                 with self._lock:
                     self._sessions.pop(s.id, None)
+                    self._name_ended_locked(s.name)
         log.info("kvtier meta: session %d (%s) ended: %s; %d pins released, %d unwritten saves dropped",
                  s.id, s.name, why, pins, pending)
         try:
@@ -647,6 +658,23 @@ class MetaService:
         except OSError:
             pass
         return True
+
+    def _name_ended_locked(self, name: str) -> None:
+        """A session named ``name`` ended: once no live one has the name, it
+        joins the ended names, and the oldest past ENDED_NAMES_KEPT is folded
+        into ENDED_INSTANCES."""
+        if any(other.name == name for other in self._sessions.values()):
+            return
+        self._ended_names.pop(name, None)
+        self._ended_names[name] = None
+        while len(self._ended_names) > ENDED_NAMES_KEPT:
+            oldest = next(iter(self._ended_names))
+            del self._ended_names[oldest]
+            tally = self._lookups.pop(oldest, None)
+            if tally is not None:
+                folded = self._lookups.setdefault(ENDED_INSTANCES, [0, 0, 0, 0])
+                for i, n in enumerate(tally):
+                    folded[i] += n
 
     # --- queries ----------------------------------------------------------
 
@@ -658,7 +686,8 @@ class MetaService:
         """Instance name -> (keys looked up, found readable in DRAM, found to be read back from SSD first,
         found in the cluster only). "DRAM" is the leading run of keys readable there at once; the keys
         after it that were found (on SSD, being promoted, or in DRAM after such a key) count as SSD: the
-        load waits for them to be in DRAM."""
+        load waits for them to be in DRAM. Names of instances gone longer than the last ENDED_NAMES_KEPT
+        are summed under ENDED_INSTANCES."""
         with self._lock:
             return {name: (a, b, c, d) for name, (a, b, c, d) in self._lookups.items()}
 
