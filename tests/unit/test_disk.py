@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.tier.ssd import SsdTier
+from kvtier.tools import disk
 from kvtier.tools.disk import check, prepare, release
 
 MiB = 1 << 20
@@ -67,6 +69,62 @@ def test_check_flags_a_path_held_by_a_running_ssd_tier(tmp_path: Path) -> None:
     assert check(str(path), bench_bytes=0).ok
 
 
+def _taken_after_the_check(monkeypatch: pytest.MonkeyPatch, flags: int, lock: bool) -> list[int]:
+    """Another holder takes the path just after check's exclusivity test
+    (an open of its own, as another process's would be); its descriptors."""
+    held: list[int] = []
+    first = disk._exclusive
+
+    def then_taken(path: str, st: os.stat_result) -> str | None:
+        why = first(path, st)
+        fd = os.open(path, flags)
+        held.append(fd)
+        if lock:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return why
+
+    monkeypatch.setattr(disk, "_exclusive", then_taken)
+    return held
+
+
+def test_check_runs_no_bandwidth_test_on_a_path_locked_after_its_check(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "a.img"
+    prepare(str(path), 8 * MiB)
+    data = bytes(MiB) + os.urandom(6 * MiB) + bytes(MiB)
+    path.write_bytes(data)
+    held = _taken_after_the_check(monkeypatch, os.O_RDWR, lock=True)
+    try:
+        rep = check(str(path), bench_bytes=4 * MiB)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert not rep.ok and not rep.exclusive and rep.read_GBps is None
+    assert any("held by another process since the check" in p for p in rep.problems), rep.problems
+    assert path.read_bytes() == data
+
+
+def test_check_writes_back_nothing_after_a_short_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "a.img"
+    prepare(str(path), 8 * MiB)
+    data = bytes(MiB) + os.urandom(6 * MiB) + bytes(MiB)
+    path.write_bytes(data)
+    preadv = os.preadv
+
+    def short(fd: int, buffers: list, offset: int) -> int:  # the bandwidth test's reads end at the path's end
+        if offset >= 5 * MiB:
+            return preadv(fd, [memoryview(buffers[0])[: MiB // 2]], offset)
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    rep = check(str(path), bench_bytes=2 * MiB)
+    monkeypatch.undo()
+    assert not rep.ok and rep.write_GBps is None
+    assert any(p.startswith("bandwidth test failed: read 524288 of 1048576 bytes") for p in rep.problems), \
+        rep.problems
+    assert path.read_bytes() == data  # not half a MiB of zeros written back
+
+
 def test_check_flags_missing_and_non_block_paths(tmp_path: Path) -> None:
     assert check(str(tmp_path / "nope")).problems == ["does not exist"]
     rep = check("/dev/null")
@@ -89,7 +147,7 @@ def _loop_devices_work() -> bool:
 
 
 @pytest.mark.skipif(not _loop_devices_work(), reason="needs root and a free loop device")
-def test_loop_device_prepare_check_use_release(tmp_path: Path) -> None:
+def test_loop_device_prepare_check_use_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backing = str(tmp_path / "loop.img")
     dev = prepare(backing, 16 * MiB, loop=True)
     try:
@@ -105,6 +163,16 @@ def test_loop_device_prepare_check_use_release(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="in use"):
             release(backing, delete=True)
         assert os.path.exists(backing)
+        # A mount or an exclusive open just after the check: no bandwidth test.
+        held = _taken_after_the_check(monkeypatch, os.O_RDONLY | os.O_EXCL, lock=False)
+        try:
+            rep = check(dev, bench_bytes=2 * MiB)
+        finally:
+            for fd in held:
+                os.close(fd)
+            monkeypatch.undo()
+        assert not rep.ok and rep.read_GBps is None
+        assert any("busy since the check" in p for p in rep.problems), rep.problems
         # The SSD tier accepts the device, and holds it exclusively while open.
         tier, recovered = SsdTier.open([dev], None, 4096)
         try:

@@ -185,20 +185,49 @@ def check(path: str, bench_bytes: int = 256 << 20) -> DiskReport:
     if rep.size_bytes < 2 * PAGE:
         rep.problems.append(f"too small: {rep.size_bytes} bytes")
     if rep.ok and bench_bytes > 0:
-        rep.read_GBps, rep.write_GBps = _bandwidth(path, rep.size_bytes, bench_bytes)
+        try:
+            rep.read_GBps, rep.write_GBps = _bandwidth(path, st, rep.size_bytes, bench_bytes)
+        except _Taken as err:
+            rep.exclusive = False
+            rep.problems.append(f"{err}; no bandwidth test was run")
+        except OSError as err:
+            rep.problems.append(f"bandwidth test failed: {err.strerror or err}")
     return rep
 
 
-def _bandwidth(path: str, size: int, bench_bytes: int) -> tuple[float, float]:
+class _Taken(Exception):
+    """Another process took the path between the exclusivity check and the bandwidth test."""
+
+
+def _bandwidth(path: str, st: os.stat_result, size: int, bench_bytes: int) -> tuple[float, float]:
+    """Read the last ``bench_bytes`` and write the same bytes back, holding
+    the path as the SSD tier would: O_EXCL on a block device (a mount or a
+    tier opened since the check makes it EBUSY) and the tier's lock, taken
+    before anything is read, so that nothing written meanwhile is
+    overwritten with what was read. Raises :class:`_Taken` if either is held."""
     n = max(1, min(bench_bytes, size - PAGE) // _CHUNK)
     start = (size - n * _CHUNK) // PAGE * PAGE
     keep = [mmap.mmap(-1, _CHUNK) for _ in range(n)]  # what was there, written back unchanged
-    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    flags = os.O_RDWR | os.O_DIRECT | (os.O_EXCL if stat.S_ISBLK(st.st_mode) else 0)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.EBUSY:
+            raise _Taken("busy since the check: mounted or opened exclusively by another process") from None
+        raise
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise _Taken("replaced since the check")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise _Taken("held by another process since the check (locked, e.g. by a running kvtier)") from None
         t = time.perf_counter()
         for i in range(n):
-            os.preadv(fd, [memoryview(keep[i])], start + i * _CHUNK)
+            got = os.preadv(fd, [memoryview(keep[i])], start + i * _CHUNK)
+            if got != _CHUNK:  # writing back a part read short would put zeros in its place
+                raise OSError(errno.EIO, f"read {got} of {_CHUNK} bytes at {start + i * _CHUNK}; nothing written")
         read_s = time.perf_counter() - t
         t = time.perf_counter()
         for i in range(n):
