@@ -985,9 +985,10 @@ class TieredStore:
                 # Recovery ignores what is numbered below the floor: nothing
                 # from before the reset comes back, even where emptying a
                 # header fails. Every header written so far (demotions in
-                # flight included: their numbers are taken under this lock)
+                # flight included: their numbers are taken under this lock,
+                # and headers recovery could not read: SsdTier.reset_floor)
                 # is numbered below it.
-                self._mover.set_floor(self.ssd.next_seq())
+                self._mover.set_floor(self.ssd.reset_floor())
         if self.ssd is not None:
             # On disk before the reset returns: a stop right after it must
             # not find the old blocks (bounded: a reset is rare).

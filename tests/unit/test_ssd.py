@@ -596,8 +596,11 @@ _CRASH_CHILD = textwrap.dedent("""
         def __init__(self):
             self.calls = 0
             self.cache = {}
+            self.armed = False  # the start's own writes (its sequence bound) are not among the calls
 
         def _tick(self):
+            if not self.armed:
+                return
             if self.calls == crash_at:
                 for fd, writes in self.cache.items():
                     kept = {"kept": writes, "lost": [], "odd": writes[1::2]}[mode]
@@ -632,7 +635,8 @@ _CRASH_CHILD = textwrap.dedent("""
 
     io = CrashIo()
     tier, _ = ssd.SsdTier.open(plan["paths"], None, slot_bytes, io=io)
-    assert io.calls == 0  # the files were formatted by the parent
+    assert not io.cache  # the files were formatted by the parent; the start's writes are synced
+    io.armed = True
     for i, batch in enumerate(plan["batches"]):
         print("begin", i, flush=True)
         if batch["invalidate"]:
@@ -791,25 +795,25 @@ def test_crash_at_every_io_call_leaves_only_verified_blocks(tmp_path: Path, batc
     assert found == final
 
 
+class BadSector(IoOps):
+    """Every read that touches the second header page fails, as on a bad sector."""
+
+    def __init__(self) -> None:
+        self.bad = PAGE + PAGE
+        self.failed = 0
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if offset <= self.bad < offset + sum(len(b) for b in buffers):
+            self.failed += 1
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().preadv(fd, buffers, offset)
+
+
 def test_a_header_page_recovery_cannot_read_is_marked_for_rewrite(make_ssd) -> None:
     per_path = HEADERS_PER_PAGE + 6  # a table of two pages
     tier, _ = make_ssd(per_path, SLOT)
     put(tier, {SsdLocation(0, s): (K(s), s + 1) for s in (0, 63, 64, 65)})
     tier.close()
-
-    class BadSector(IoOps):
-        """Every read that touches the second header page fails, as on a bad sector."""
-
-        def __init__(self) -> None:
-            self.bad = PAGE + PAGE
-            self.failed = 0
-
-        def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-            if offset <= self.bad < offset + sum(len(b) for b in buffers):
-                self.failed += 1
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return super().preadv(fd, buffers, offset)
-
     io = BadSector()
     tier, recovered = make_ssd(per_path, SLOT, io=io)
     # The table read in one request fails; page by page, only the second one does.
@@ -817,6 +821,57 @@ def test_a_header_page_recovery_cannot_read_is_marked_for_rewrite(make_ssd) -> N
     assert sorted(rec.key for _, rec in recovered) == [K(0), K(63)]
     # Every slot whose header is on that page (64 .. 69) is rewritten before reuse.
     assert tier.unreadable == {SsdLocation(0, s) for s in range(64, per_path)}
+
+
+def test_a_reset_floor_is_above_the_headers_a_start_could_not_read(make_ssd) -> None:
+    """The newest block's header is on a page the next start cannot read, a
+    reset comes, and that header cannot be emptied (the page still fails).
+    The reset's floor is above its number all the same (the bound the
+    superblock keeps), so once the page reads again a restart does not bring
+    a block from before the reset back."""
+    per_path = HEADERS_PER_PAGE + 6  # a table of two pages
+    tier, _ = make_ssd(per_path, SLOT)
+    for s in (0, 1, 64):  # numbered as the store numbers them: K(64), on the second page, is the newest
+        put(tier, {SsdLocation(0, s): (K(s), tier.next_seq())})
+    tier.close()
+    tier, recovered = make_ssd(per_path, SLOT, io=BadSector())
+    assert sorted(rec.key for _, rec in recovered) == [K(0), K(1)]
+    tier.set_floor(tier.reset_floor())
+    with pytest.raises(TierIOError):  # its headers cannot be emptied: the page is read before it is written
+        tier.invalidate([SsdLocation(0, s) for s in range(HEADERS_PER_PAGE, per_path)])
+    put(tier, {SsdLocation(0, 2): (K(2), tier.next_seq())})  # after the reset
+    tier.close()
+    tier, recovered = make_ssd(per_path, SLOT)
+    assert [rec.key for _, rec in recovered] == [K(2)]
+
+
+def test_the_sequence_bound_survives_restarts_and_a_start_without_it_falls_back(make_ssd, tmp_path: Path) -> None:
+    per_path = HEADERS_PER_PAGE + 6
+    tier, _ = make_ssd(per_path, SLOT)
+    assert tier.high == 1 + ssd_module.SEQ_RESERVE
+    put(tier, {SsdLocation(0, 0): (K(0), tier.next_seq())})
+    tier.close()
+    tier, _ = make_ssd(per_path, SLOT)
+    # Numbering goes on from the old bound; a new one is reserved above it.
+    assert tier.next_seq() == 1 + ssd_module.SEQ_RESERVE
+    assert tier.high == 1 + 2 * ssd_module.SEQ_RESERVE
+    put(tier, {SsdLocation(0, 64): (K(64), 1 + ssd_module.SEQ_RESERVE)})
+    tier.close()
+    # A superblock from before the bound, and a header page that cannot be
+    # read: the numbers there are unknown, and a reset falls back on the next.
+    path = tmp_path / "ssd0.bin"
+    with open(path, "r+b") as f:
+        f.seek(ssd_module._SUPER.size + ssd_module._FLOOR.size)
+        f.write(bytes(ssd_module._HIGH.size))
+    tier, recovered = make_ssd(per_path, SLOT, io=BadSector())
+    assert [rec.key for _, rec in recovered] == [K(0)] and tier.high == 0
+    assert tier.reset_floor() == 2
+    tier.close()
+    # Read whole again: the bound is what recovery read, and is written back.
+    tier, recovered = make_ssd(per_path, SLOT)
+    assert sorted(rec.key for _, rec in recovered) == [K(0), K(64)]
+    assert tier.high == 2 + 2 * ssd_module.SEQ_RESERVE
+    tier.close()
 
 
 # --- what start-up may format, and what it leaves behind -----------------------------------

@@ -15,11 +15,15 @@ The superblock holds the format, the path's place in its tier, the slot
 geometry, the format epoch and the layout fingerprint the caller gives (a
 digest of the KV namespace and layout: a disk written for another model or
 layout starts empty instead of serving its blocks). After it, the reset
-floor (:data:`_FLOOR`): a reset (:meth:`SsdTier.set_floor`) writes the
-next sequence number there, and recovery ignores every header numbered
-below it, so nothing from before a reset comes back after a restart even
-where emptying its headers failed (a disk error). Zeros (a superblock
-written before the floor existed) mean no floor.
+floor (:data:`_FLOOR`): a reset (:meth:`SsdTier.set_floor`) writes a
+sequence number there above every header written before it, and recovery
+ignores every header numbered below it, so nothing from before a reset
+comes back after a restart even where emptying its headers failed (a disk
+error). Zeros (a superblock written before the floor existed) mean no
+floor. Then a bound (:data:`_HIGH`) above every sequence number the tier
+has written, reserved SEQ_RESERVE ahead at each start and reset: the floor
+is taken from it, so it is above the headers of pages recovery could not
+read too, whose numbers it never saw.
 
 A slot header (:data:`_HEADER`, 64 bytes) is self-describing: magic, the
 format epoch, the block's key, a sequence number (recency at recovery), the
@@ -105,6 +109,13 @@ _HDR_MAGIC_U64 = int.from_bytes(_HDR_MAGIC, "little")
 FINGERPRINT_BYTES = 16
 _FLOOR = struct.Struct("<8sQ")  # after _SUPER in the superblock page: magic, lowest sequence number recovered
 _FLOOR_MAGIC = b"KVTFLOOR"
+# After _FLOOR: magic, a number above the sequence number of every header
+# this tier has written (see SsdTier.reset_floor).
+_HIGH = struct.Struct("<8sQ")
+_HIGH_MAGIC = b"KVTHIGH1"
+# Sequence numbers a start (or a reset) reserves at once: one superblock
+# write per start, and 2**40 blocks written before the bound runs out.
+SEQ_RESERVE = 1 << 40
 SNIFF_BYTES = 1 << 20  # how much of each end of a path must be zeros for it to count as unused (sniff_ranges)
 _WRITE_RUN_PAGES = 64  # header pages per read-modify-write request: bounds the per-thread buffer
 _RECOVER_PAGES = 256  # header pages per recovery read (1 MiB, 16,384 headers)
@@ -313,6 +324,14 @@ def _read_floor(head: bytes) -> int:
     return floor if magic == _FLOOR_MAGIC else 0
 
 
+def _read_high(head: bytes) -> int:
+    """The bound on sequence numbers a superblock page holds (0: none)."""
+    if len(head) < _SUPER.size + _FLOOR.size + _HIGH.size:
+        return 0
+    magic, high = _HIGH.unpack_from(head, _SUPER.size + _FLOOR.size)
+    return high if magic == _HIGH_MAGIC else 0
+
+
 def slots_for(size_bytes: int, slot_bytes: int) -> int:
     """Most slots of ``slot_bytes`` that a path of ``size_bytes`` holds with its superblock and header table."""
     n = max(0, (size_bytes - PAGE) // (slot_bytes + HEADER_BYTES))  # an upper bound: the table is whole pages
@@ -467,6 +486,11 @@ class SsdTier:
         self._seq_lock = threading.Lock()
         self._seq = 0
         self.floor = 0  # headers numbered below it are from before a reset: never recovered
+        # Above every sequence number written on this tier, in every
+        # superblock: the floor a reset takes, so that even headers recovery
+        # could not read are below it. 0: not known (a superblock from
+        # before it, and header pages that could not be read).
+        self.high = 0
         self.created: list[str] = []  # paths open() created (discard() removes them)
 
     # --- life cycle -------------------------------------------------------
@@ -529,6 +553,7 @@ class SsdTier:
                 tier.floor = max(_read_floor(o.head) for o in found)
                 tier.created = [o.path for o in found if o.created]
                 recovered = tier._recover()
+                tier._reserve(max(_read_high(o.head) for o in found))
                 log.info("kvtier: SSD tier recovered %d blocks from %s", len(recovered), ":".join(paths))
                 return tier, recovered
             # A random epoch, not the last one plus one: if a superblock was
@@ -536,8 +561,9 @@ class SsdTier:
             taken = {_SUPER.unpack_from(o.head)[5] for o in found if o.kind == "kvtier" and len(o.head) >= PAGE}
             epoch = _new_epoch(taken)
             for p in opened:
-                cls._write_super(p, epoch, fingerprint, io)
+                cls._write_super(p, epoch, fingerprint, io, high=1 + SEQ_RESERVE)
             tier = cls(opened, epoch, io, fingerprint)
+            tier.high = 1 + SEQ_RESERVE
             tier.created = [o.path for o in found if o.created]
             log.info("kvtier: SSD tier on %s starts empty (epoch %d): %s", ":".join(paths), epoch, why)
             return tier, Recovered.empty(tier.location)
@@ -643,10 +669,11 @@ class SsdTier:
         return "zeros", chunks[1]
 
     @staticmethod
-    def _write_super(p: _Path, epoch: int, fingerprint: bytes, io: IoOps) -> None:  # no floor: a new tier
+    def _write_super(p: _Path, epoch: int, fingerprint: bytes, io: IoOps, high: int) -> None:  # a new tier: no floor
         buf = _aligned_page()
         _SUPER.pack_into(buf, 0, SUPER_MAGIC, _FORMAT, p.index, p.slot_bytes, p.num_slots, epoch, uuid.uuid4().bytes,
                          fingerprint)
+        _HIGH.pack_into(buf, _SUPER.size + _FLOOR.size, _HIGH_MAGIC, high)
         try:
             _write_all(io, p.fd, [memoryview(buf)], 0)
             io.fdatasync(p.fd)
@@ -694,30 +721,80 @@ class SsdTier:
         return [p.path for p in self._paths]
 
     def set_floor(self, floor: int) -> None:
-        """Persist the reset floor ``floor`` (a sequence number taken with
-        :meth:`next_seq` under the store's lock at the reset: every header
-        written before has a lower one) in every path's superblock, synced.
+        """Persist the reset floor ``floor`` (from :meth:`reset_floor`, under
+        the store's lock at the reset: every header written before has a
+        lower number) in every path's superblock, with the new bound, synced.
         Raises TierIOError (the caller still empties the old headers)."""
         if floor <= self.floor:
             return
+        self._write_marks(floor, self.high, "the reset floor")
+        self.floor = floor
+
+    def _write_marks(self, floor: int, high: int, what: str) -> None:
+        """Write ``floor`` and ``high`` (0: none) into every path's superblock, synced."""
         for p in self._paths:
             buf = _aligned_page()
             try:
                 n = self._io.preadv(p.fd, [memoryview(buf)], 0)
                 if n != PAGE or bytes(buf[: len(SUPER_MAGIC)]) != SUPER_MAGIC:
                     raise OSError(errno.EIO, f"superblock read back {n} bytes")
-                _FLOOR.pack_into(buf, _SUPER.size, _FLOOR_MAGIC, floor)
+                _FLOOR.pack_into(buf, _SUPER.size, _FLOOR_MAGIC if floor else bytes(8), floor)
+                _HIGH.pack_into(buf, _SUPER.size + _FLOOR.size, _HIGH_MAGIC if high else bytes(8), high)
                 _write_all(self._io, p.fd, [memoryview(buf)], 0)
                 self._io.fdatasync(p.fd)
             except OSError as err:
                 raise TierIOError(err.errno or errno.EIO,
-                                  f"{p.path}: writing the reset floor failed: {err.strerror or err}") from None
-        self.floor = floor
+                                  f"{p.path}: writing {what} failed: {err.strerror or err}") from None
+
+    def _reserve(self, high_found: int) -> None:
+        """At a recovering start: the bound on the sequence numbers on disk
+        (``high_found`` from the superblocks, or what recovery read when it
+        read every header page), raised by SEQ_RESERVE and written back;
+        numbering goes on from the old bound.
+
+        With header pages recovery could not read and no bound on disk,
+        nothing is known of their numbers: the bound stays unknown, and a
+        reset takes the next number as its floor, as without a bound. If the
+        write fails, numbering goes on from what recovery read (below the
+        bound on disk, which stays true)."""
+        if self.unreadable and not high_found:
+            log.warning("kvtier: SSD header pages could not be read and the superblock holds no bound on "
+                        "their sequence numbers: until a start reads them, a reset cannot rule out that their "
+                        "blocks come back")
+            return
+        start = max(self._seq, high_found - 1)
+        high = start + 1 + SEQ_RESERVE
+        try:
+            self._write_marks(self.floor, high, "the sequence bound")
+        except TierIOError as err:
+            log.warning("kvtier: %s; a reset takes the next sequence number as its floor", err)
+            return
+        with self._seq_lock:
+            self._seq, self.high = start, high
 
     def next_seq(self) -> int:
         with self._seq_lock:
             self._seq += 1
+            if self.high and self._seq >= self.high:
+                self.high = 0
+                log.warning("kvtier: %d SSD blocks written since the start; the sequence bound is used up "
+                            "until the next start", SEQ_RESERVE)
             return self._seq
+
+    def reset_floor(self) -> int:
+        """The floor for a reset, taken under the store's lock: every header
+        written so far, on a page recovery could read or not, is numbered
+        below it; every one written after is numbered at or above it. The
+        bound (when known) is the floor, and the next one is reserved above
+        it; :meth:`set_floor` writes both."""
+        with self._seq_lock:
+            if self.high:
+                floor = self.high
+                self.high = floor + SEQ_RESERVE
+            else:
+                floor = self._seq + 1
+            self._seq = floor - 1
+            return floor
 
     # --- headers ----------------------------------------------------------
 
