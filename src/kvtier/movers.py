@@ -218,7 +218,11 @@ class TierMover(_Jobs):
         plan: list[tuple[bytes, int, SsdLocation, BlockRecord, bool]] = []
         dram_sums: dict[bytes, tuple[int, ...]] = {}  # DRAM header checksums, checked before the copy
         with self._lock:
-            begun = self._host._begin_demotion_locked(keys)
+            try:
+                begun = self._host._begin_demotion_locked(keys)
+            except BaseException:
+                self.demoting -= len(keys)  # the count stays exact: room() would otherwise shrink for good
+                raise
             self.demoting -= len(keys) - len(begun)
             for key, slot, ssd_slot, reused in begun:
                 plan.append((key, slot, ssd.location(ssd_slot), BlockRecord(key, ssd.next_seq(), 0), reused))
@@ -249,13 +253,20 @@ class TierMover(_Jobs):
         written = {loc: rec for loc, rec, _ in items} if ok else {}
         refused: list[int] = []  # global SSD slot numbers
         with self._lock:
-            for key, _, loc, _, _ in plan:
-                ssd_slot = ssd.slot_number(loc)
-                if self._host._end_demotion_locked(key, ssd_slot, written.get(loc), key in bad):
-                    refused.append(ssd_slot)
-            self.demoting -= len(plan)
-            if items:
-                self._note_write_locked(ok)
+            try:
+                for key, _, loc, _, _ in plan:
+                    # One block's end failing (a bug) must not leave the
+                    # batch's other blocks demoting for good.
+                    try:
+                        ssd_slot = ssd.slot_number(loc)
+                        if self._host._end_demotion_locked(key, ssd_slot, written.get(loc), key in bad):
+                            refused.append(ssd_slot)
+                    except Exception:  # noqa: BLE001
+                        log.exception("kvtier: ending the SSD write of a block failed")
+            finally:
+                self.demoting -= len(plan)
+                if items:
+                    self._note_write_locked(ok)
         if refused:
             self._invalidate(refused)  # on this I/O thread: the pool may be shutting down
 
@@ -311,7 +322,12 @@ class TierMover(_Jobs):
         with self._lock:
             try:
                 for key, ok, io_error in results:
-                    slot = self._host._end_promotion_locked(key, ok, io_error)
+                    # As for demotions: one block's end failing leaves the others' ends done.
+                    try:
+                        slot = self._host._end_promotion_locked(key, ok, io_error)
+                    except Exception:  # noqa: BLE001
+                        log.exception("kvtier: ending the read of a block from SSD failed")
+                        continue
                     if slot is not None:
                         refused.append(slot)
             finally:
@@ -715,7 +731,10 @@ class ClusterMover(_Jobs):
         with self._lock:
             try:
                 for key, outcome in zip(keys, outcomes):
-                    self._host._end_fetch_locked(key, outcome, epoch)
+                    try:  # one block's end failing (a bug) leaves the others' ends done
+                        self._host._end_fetch_locked(key, outcome, epoch)
+                    except Exception:  # noqa: BLE001
+                        log.exception("kvtier cluster: ending the fetch of a block failed")
             finally:
                 self.fetching -= len(jobs)
 
@@ -728,7 +747,12 @@ class ClusterMover(_Jobs):
             # Pinned by the store, so the bytes stay as they are checked: only
             # a block that matches its own header is published (a copy that
             # went bad in DRAM would otherwise travel as a "valid" block).
-            if not all(tier.verify(slot, key, r) for r in range(tier.ranks)):
+            try:
+                intact = all(tier.verify(slot, key, r) for r in range(tier.ranks))
+            except Exception:  # noqa: BLE001 - never leave entries pinned forever
+                log.exception("kvtier cluster: checking a block before publishing it failed")
+                intact = False
+            if not intact:
                 bad.add(key)
             else:
                 good.append((key, slot))
@@ -742,7 +766,12 @@ class ClusterMover(_Jobs):
                 log.exception("kvtier cluster: publishing %d blocks failed", len(good))
         done = {k for (k, _), y in zip(good, ok) if y}
         with self._lock:
-            for key, _ in jobs:
-                self._host._end_publish_locked(key, key in done, key in bad, epoch)
-            self.publishing -= len(jobs)
+            try:
+                for key, _ in jobs:
+                    try:  # one block's end failing (a bug) leaves the others' pins released
+                        self._host._end_publish_locked(key, key in done, key in bad, epoch)
+                    except Exception:  # noqa: BLE001
+                        log.exception("kvtier cluster: ending the put of a block failed")
+            finally:
+                self.publishing -= len(jobs)
             self._feed_locked()

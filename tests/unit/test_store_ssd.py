@@ -278,6 +278,37 @@ def test_promote_brings_blocks_back_bit_exact(make_store) -> None:
     assert (c["blocks_promoted"], c["promote_failures"], c["ssd_corrupt_blocks"]) == (4, 0, 0)
 
 
+def test_a_bug_ending_one_block_s_move_leaves_the_batch_s_others_and_the_counts_right(
+        make_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception that is no I/O error (a bug) while one block's SSD write
+    or read is ended under the lock: the other blocks of its batch end as
+    usual, and the mover's counts stay exact, so that writes and reads go on."""
+    store = make_store()
+    ends = {"write": store._end_demotion_locked, "read": store._end_promotion_locked}
+
+    def failing(what: str, bad_key: bytes):
+        def end(key: bytes, *args):
+            if key == bad_key:
+                raise RuntimeError(f"a bug ending the {what} of one block")
+            return ends[what](key, *args)
+        return end
+
+    monkeypatch.setattr(store, "_end_demotion_locked", failing("write", KEYS[1]))
+    monkeypatch.setattr(store, "_end_promotion_locked", failing("read", KEYS[2]))
+    save_each(store, KEYS[:9])  # K0..K3 written to SSD in one batch, then evicted
+    assert store.wait_idle()
+    assert store._mover.demoting == 0
+    assert set(on_ssd(store, KEYS[:4])) == {KEYS[0], KEYS[2], KEYS[3]}
+    assert store.promote([KEYS[0], KEYS[2], KEYS[3]]) == 3
+    assert store.wait_idle()
+    assert store._mover.promoting == 0
+    assert store.probe([KEYS[0]]) == Probe(1, 1) and store.probe([KEYS[3]]) == Probe(1, 1)
+    # Later writes are not held back by a count left high.
+    save_each(store, KEYS[9:14], first_step=9)
+    assert store.wait_idle()
+    assert store._mover.demoting == 0 and store.counters()["blocks_demoted"] > 4
+
+
 def test_promote_counts_and_skips(make_store) -> None:
     store = make_store()
     save_each(store, KEYS[:9])
