@@ -359,15 +359,11 @@ def _frame_of(raw: object) -> bytes:
     (struct.pack("<I", wire.MAX_FRAME + 1), "bad-request", "over the"),
     (wire.encode(wire.Hello(wire.PROTOCOL_VERSION + 1, "", "x", 1, 1, RANK_BYTES)), "version", "speaks"),
     (wire.encode(wire.Probe(1, b"k" * 16)), "bad-request", "expected Hello first"),
-    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "n" * (wire.NAME_MAX + 1), 1, 1, RANK_BYTES)),
-     "bad-request", "Hello.name"),
-    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "a\nforged log line", 1, 1, RANK_BYTES)),
-     "bad-request", "Hello.name"),
-    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", pool_service.ENDED_INSTANCES, 1, 1, RANK_BYTES)),
-     "bad-request", "Hello.name"),
+    (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "n" * 4097, 1, 1, RANK_BYTES)), "bad-request",
+     "of length <= 4096"),
 ] + [(f, "bad-request", "expected Hello") for f in _random_frames(10)],
-    ids=["truncated", "oversized", "wrong-version", "no-hello-first", "name-too-long", "name-line-break",
-         "name-reserved"] + [f"random-{i}" for i in range(10)])
+    ids=["truncated", "oversized", "wrong-version", "no-hello-first", "name-over-4096"]
+    + [f"random-{i}" for i in range(10)])
 def test_bad_frames_before_the_hello_are_refused_and_the_service_keeps_serving(service: MetaService, frame: bytes,
                                                                                code: str, says: str) -> None:
     good = client(service)
@@ -884,11 +880,27 @@ def test_lookup_counts_keep_a_bounded_number_of_ended_instances_and_lose_no_coun
     assert sum(t[0] for t in by.values()) == 8 + sum(i + 2 for i in range(7)) + 1
 
 
+@pytest.mark.parametrize(("given", "kept"), [
+    ("a\nforged log line", "a?forged log line"),
+    ("m@1\n", "m@1?"),
+    ("x\u2028y\x85z", "x?y?z"),
+    (pool_service.ENDED_INSTANCES, "ended)"),
+    ("((/models/" + "x" * 300 + "@42", "x" * (wire.NAME_MAX - 3) + "@42"),
+    ("", "pid 1"),
+], ids=["line-break", "trailing-newline", "line-separators", "the-service-s-own-label", "too-long", "none"])
+def test_the_service_keeps_a_name_logs_and_labels_can_take(service: MetaService, given: str, kept: str) -> None:
+    s = _raw(service)
+    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", given, 1, 1, RANK_BYTES)))
+    assert isinstance(_answer(s), wire.Welcome)
+    assert [x.name for x in service.sessions()] == [kept]
+    s.close()
+
+
 def test_a_client_makes_its_name_one_the_service_takes(service: MetaService) -> None:
     c = client(service, name="((" + "/models/" + "x" * 300 + "\n@42")
-    assert c.session >= 0
+    assert c.session >= 0 and c.name.endswith("x?@42") and len(c.name) == wire.NAME_MAX
     (s,) = service.sessions()
-    assert s.name.endswith("x?@42") and len(s.name) == wire.NAME_MAX and not s.name.startswith("(")
+    assert s.name == c.name
 
 
 def test_metrics_and_queries_say_what_the_pool_holds_and_did(service: MetaService, http_server: PoolHttp) -> None:

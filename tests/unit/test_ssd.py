@@ -823,7 +823,23 @@ def test_a_header_page_recovery_cannot_read_is_marked_for_rewrite(make_ssd) -> N
     assert tier.unreadable == {SsdLocation(0, s) for s in range(64, per_path)}
 
 
-def test_a_reset_floor_is_above_the_headers_a_start_could_not_read(make_ssd) -> None:
+class BadSectorSuperFails(BadSector):
+    """The bad sector, and the start's write of the superblock (its first) fails too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.super_writes = 0
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if offset == 0:
+            self.super_writes += 1
+            if self.super_writes == 1:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return super().pwritev(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("io", [BadSector, BadSectorSuperFails], ids=["bound-written", "bound-write-fails"])
+def test_a_reset_floor_is_above_the_headers_a_start_could_not_read(make_ssd, io: type[IoOps]) -> None:
     """The newest block's header is on a page the next start cannot read, a
     reset comes, and that header cannot be emptied (the page still fails).
     The reset's floor is above its number all the same (the bound the
@@ -834,12 +850,16 @@ def test_a_reset_floor_is_above_the_headers_a_start_could_not_read(make_ssd) -> 
     for s in (0, 1, 64):  # numbered as the store numbers them: K(64), on the second page, is the newest
         put(tier, {SsdLocation(0, s): (K(s), tier.next_seq())})
     tier.close()
-    tier, recovered = make_ssd(per_path, SLOT, io=BadSector())
+    tier, recovered = make_ssd(per_path, SLOT, io=io())
     assert sorted(rec.key for _, rec in recovered) == [K(0), K(1)]
-    tier.set_floor(tier.reset_floor())
+    assert tier.high == (0 if io is BadSectorSuperFails else 1 + 2 * ssd_module.SEQ_RESERVE)
+    floor = tier.reset_floor()
+    assert floor > 3
+    tier.set_floor(floor)
     with pytest.raises(TierIOError):  # its headers cannot be emptied: the page is read before it is written
         tier.invalidate([SsdLocation(0, s) for s in range(HEADERS_PER_PAGE, per_path)])
     put(tier, {SsdLocation(0, 2): (K(2), tier.next_seq())})  # after the reset
+    assert tier.reset_floor() == floor + 1  # a later reset skips no numbers
     tier.close()
     tier, recovered = make_ssd(per_path, SLOT)
     assert [rec.key for _, rec in recovered] == [K(2)]
@@ -852,10 +872,11 @@ def test_the_sequence_bound_survives_restarts_and_a_start_without_it_falls_back(
     put(tier, {SsdLocation(0, 0): (K(0), tier.next_seq())})
     tier.close()
     tier, _ = make_ssd(per_path, SLOT)
-    # Numbering goes on from the old bound; a new one is reserved above it.
-    assert tier.next_seq() == 1 + ssd_module.SEQ_RESERVE
-    assert tier.high == 1 + 2 * ssd_module.SEQ_RESERVE
-    put(tier, {SsdLocation(0, 64): (K(64), 1 + ssd_module.SEQ_RESERVE)})
+    # Every page read: numbering goes on from the newest header, the bound
+    # is reserved above it.
+    assert tier.high == 2 + ssd_module.SEQ_RESERVE
+    assert tier.next_seq() == 2
+    put(tier, {SsdLocation(0, 64): (K(64), 2)})
     tier.close()
     # A superblock from before the bound, and a header page that cannot be
     # read: the numbers there are unknown, and a reset falls back on the next.
@@ -867,10 +888,10 @@ def test_the_sequence_bound_survives_restarts_and_a_start_without_it_falls_back(
     assert [rec.key for _, rec in recovered] == [K(0)] and tier.high == 0
     assert tier.reset_floor() == 2
     tier.close()
-    # Read whole again: the bound is what recovery read, and is written back.
+    # Read whole again: the bound follows what recovery read, and is written back.
     tier, recovered = make_ssd(per_path, SLOT)
     assert sorted(rec.key for _, rec in recovered) == [K(0), K(64)]
-    assert tier.high == 2 + 2 * ssd_module.SEQ_RESERVE
+    assert tier.high == 3 + ssd_module.SEQ_RESERVE
     tier.close()
 
 

@@ -31,7 +31,7 @@ from kvtier.errors import TierIOError
 from kvtier.store import Probe, TieredStore
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
-from kvtier.tier.ssd import SEQ_RESERVE, BlockRecord, IoOps, SsdTier
+from kvtier.tier.ssd import BlockRecord, IoOps, SsdTier
 from kvtier.tools.server import poll_until
 from tests.unit.conftest import HEADER, HEADERS_PER_PAGE, PAGE, Recovered, ssd_offsets, ssd_table_bytes
 from tests.unit.helpers import ssd_stores
@@ -729,10 +729,8 @@ def test_recovered_duplicates_keep_the_newest(make_store, open_ssd) -> None:
     store.close()
     ssd.close()
     ssd, recovered = open_ssd()
-    # Numbered on from the bound the start before reserved (SsdTier.reset_floor).
     assert {loc: (rec.key, rec.seq) for loc, rec in recovered if loc in versions} == {
-        locs[0]: (KEYS[0], SEQ_RESERVE + 1), locs[1]: (dup, 9), locs[2]: (KEYS[1], SEQ_RESERVE + 2),
-        locs[3]: (other, 6)}
+        locs[0]: (KEYS[0], 10), locs[1]: (dup, 9), locs[2]: (KEYS[1], 11), locs[3]: (other, 6)}
 
 
 # --- clear ---------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ MAX_HANDSHAKES = 64
 # counts are added to ENDED_INSTANCES, and memory and /metrics' label sets
 # stay bounded however often instances come and go.
 ENDED_NAMES_KEPT = 64
-ENDED_INSTANCES = "(ended)"  # no instance has it: wire.InstanceName cannot start with "("
+ENDED_INSTANCES = "(ended)"  # no instance has it: wire.instance_name() takes a leading "(" off
 _LOW_STEP = -(1 << 62)
 
 
@@ -474,12 +474,13 @@ class MetaService:
             self.bad_messages += 1
             _send(conn, wire.Error(0, "bad-request", "expected Hello first"))
             return None
+        name = wire.instance_name(msg.name) or f"pid {msg.pid}"
         if msg.version != wire.PROTOCOL_VERSION:
             _send(conn, wire.Error(0, "version", f"protocol {msg.version} asked, this service speaks "
                                                  f"{wire.PROTOCOL_VERSION}: run the same kvtier version"))
             return None
         if self.opts.token and not hmac.compare_digest(msg.token.encode(), self.opts.token.encode()):
-            log.warning("kvtier meta: %s (%s) gave no valid token; refused", msg.name or "an instance", peer)
+            log.warning("kvtier meta: %s (%s) gave no valid token; refused", name, peer)
             _send(conn, wire.Error(0, "auth", "the meta service requires its token (KVTIER_TOKEN)"))
             return None
         try:
@@ -487,7 +488,7 @@ class MetaService:
                 raise _Refused("geometry", f"{msg.ranks} ranks of {msg.rank_bytes} bytes is not a block geometry")
             store = self._pool_for(msg.ranks, msg.rank_bytes)
         except _Refused as err:
-            log.warning("kvtier meta: refused %s (%s): %s", msg.name, peer, err.message)
+            log.warning("kvtier meta: refused %s (%s): %s", name, peer, err.message)
             _send(conn, wire.Error(0, err.code, err.message))
             return None
         except ConfigError as err:  # this configuration makes no pool: said to the instance's operator
@@ -501,7 +502,7 @@ class MetaService:
         with self._lock:
             sid = self._next_session
             self._next_session += 1
-            session = Session(sid, msg.name or f"pid {msg.pid}", msg.pid, conn, peer)
+            session = Session(sid, name, msg.pid, conn, peer)
             self._sessions[sid] = session
             self._ended_names.pop(session.name, None)
             self.sessions_started += 1

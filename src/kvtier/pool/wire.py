@@ -37,18 +37,21 @@ KEY_BYTES = 16
 # above -2**62 (service._LOW_STEP), so no step of a session may be at or below it.
 Step = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 AfterStep = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]  # -1: before the first step
-NAME_MAX = 200  # characters of an instance's name
-# An instance's name goes into log lines and /metrics labels: printable, no
-# line breaks, and not starting with "(", which the service keeps for the
-# label of instances it no longer lists one by one.
-InstanceName = Annotated[str, msgspec.Meta(max_length=NAME_MAX, pattern=r"^(?:[^\x00-\x1f\x7f(][^\x00-\x1f\x7f]*)?$")]
+NAME_MAX = 200  # characters of an instance's name as the service keeps it (instance_name)
+# An instance's name goes into log lines and /metrics labels. The wire only
+# bounds it; the service makes it fit with instance_name(), so that a
+# client of this protocol version whose name does not fit still connects.
+InstanceName = Annotated[str, msgspec.Meta(max_length=4096)]
+_NOT_IN_NAMES = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def instance_name(name: str) -> str:
-    """``name`` made a valid :data:`InstanceName`: control characters become
-    "?", a leading "(" goes, and a name too long keeps its end (where the
-    process id is)."""
-    return re.sub(r"[\x00-\x1f\x7f]", "?", name)[-NAME_MAX:].lstrip("(")
+    """``name`` as logs and labels take it: control characters and line
+    separators become "?", a name too long keeps its end (where the process
+    id is), and a leading "(" goes (the service's own labels start with one)."""
+    return _NOT_IN_NAMES.sub("?", name)[-NAME_MAX:].lstrip("(")
+
+
 NAMED_MAX = 4096  # bytes of a refused message decoded again to name its field (see _named)
 _LEN = struct.Struct("<I")
 # Block keys travel as one bytes field, 16 bytes each back to back

@@ -21,9 +21,9 @@ ignores every header numbered below it, so nothing from before a reset
 comes back after a restart even where emptying its headers failed (a disk
 error). Zeros (a superblock written before the floor existed) mean no
 floor. Then a bound (:data:`_HIGH`) above every sequence number the tier
-has written, reserved SEQ_RESERVE ahead at each start and reset: the floor
-is taken from it, so it is above the headers of pages recovery could not
-read too, whose numbers it never saw.
+has written, reserved SEQ_RESERVE ahead at each start: after a start that
+could not read every header page, a reset's floor is the bound, so it is
+above the headers recovery never saw too.
 
 A slot header (:data:`_HEADER`, 64 bytes) is self-describing: magic, the
 format epoch, the block's key, a sequence number (recency at recovery), the
@@ -487,10 +487,12 @@ class SsdTier:
         self._seq = 0
         self.floor = 0  # headers numbered below it are from before a reset: never recovered
         # Above every sequence number written on this tier, in every
-        # superblock: the floor a reset takes, so that even headers recovery
-        # could not read are below it. 0: not known (a superblock from
-        # before it, and header pages that could not be read).
+        # superblock: the floor of a reset after a start that could not read
+        # every header page (``_unseen``), so that their headers are below
+        # it too. 0: not known (a superblock from before it, or used up).
         self.high = 0
+        self._unseen = False  # header pages recovery could not read: numbers above _seq may be there
+        self._floor_lock = threading.Lock()  # set_floor's superblock writes, one at a time
         self.created: list[str] = []  # paths open() created (discard() removes them)
 
     # --- life cycle -------------------------------------------------------
@@ -725,10 +727,11 @@ class SsdTier:
         the store's lock at the reset: every header written before has a
         lower number) in every path's superblock, with the new bound, synced.
         Raises TierIOError (the caller still empties the old headers)."""
-        if floor <= self.floor:
-            return
-        self._write_marks(floor, self.high, "the reset floor")
-        self.floor = floor
+        with self._floor_lock:  # two resets close together: the later floor is the one left
+            if floor <= self.floor:
+                return
+            self._write_marks(floor, self.high, "the reset floor")
+            self.floor = floor
 
     def _write_marks(self, floor: int, high: int, what: str) -> None:
         """Write ``floor`` and ``high`` (0: none) into every path's superblock, synced."""
@@ -747,30 +750,31 @@ class SsdTier:
                                   f"{p.path}: writing {what} failed: {err.strerror or err}") from None
 
     def _reserve(self, high_found: int) -> None:
-        """At a recovering start: the bound on the sequence numbers on disk
-        (``high_found`` from the superblocks, or what recovery read when it
-        read every header page), raised by SEQ_RESERVE and written back;
-        numbering goes on from the old bound.
+        """At a recovering start, after :meth:`_recover`: reserve the next
+        SEQ_RESERVE numbers, writing the bound into every superblock.
 
-        With header pages recovery could not read and no bound on disk,
-        nothing is known of their numbers: the bound stays unknown, and a
-        reset takes the next number as its floor, as without a bound. If the
-        write fails, numbering goes on from what recovery read (below the
-        bound on disk, which stays true)."""
-        if self.unreadable and not high_found:
+        When every header page was read, numbering goes on from the newest
+        header. When some could not be, their numbers are unknown but below
+        ``high_found`` (the bound on disk): numbering goes on from there, so
+        that a reset's floor is above them however the write below ends.
+        With no bound on disk either, nothing is known of those numbers: a
+        reset takes the next number as its floor, as before the bound."""
+        if self._unseen and not high_found:
             log.warning("kvtier: SSD header pages could not be read and the superblock holds no bound on "
                         "their sequence numbers: until a start reads them, a reset cannot rule out that their "
                         "blocks come back")
             return
-        start = max(self._seq, high_found - 1)
-        high = start + 1 + SEQ_RESERVE
+        with self._seq_lock:
+            if self._unseen:
+                self._seq = max(self._seq, high_found - 1)
+            high = self._seq + 1 + SEQ_RESERVE
         try:
             self._write_marks(self.floor, high, "the sequence bound")
         except TierIOError as err:
             log.warning("kvtier: %s; a reset takes the next sequence number as its floor", err)
             return
         with self._seq_lock:
-            self._seq, self.high = start, high
+            self.high = high
 
     def next_seq(self) -> int:
         with self._seq_lock:
@@ -783,14 +787,17 @@ class SsdTier:
 
     def reset_floor(self) -> int:
         """The floor for a reset, taken under the store's lock: every header
-        written so far, on a page recovery could read or not, is numbered
-        below it; every one written after is numbered at or above it. The
-        bound (when known) is the floor, and the next one is reserved above
-        it; :meth:`set_floor` writes both."""
+        written so far is numbered below it, every one written after at or
+        above it. The next number, unless the start could not read every
+        header page: then the bound (their numbers are below it, unknown
+        otherwise), and the next bound is reserved above it
+        (:meth:`set_floor` writes both). So only such a start's first reset
+        skips numbers: resets every few seconds do not use the numbers up."""
         with self._seq_lock:
-            if self.high:
+            if self._unseen and self.high:
                 floor = self.high
                 self.high = floor + SEQ_RESERVE
+                self._unseen = False  # every header from before is below the floor now
             else:
                 floor = self._seq + 1
             self._seq = floor - 1
@@ -911,6 +918,7 @@ class SsdTier:
                 n = -1
             if n != PAGE:
                 view[:] = bytes(PAGE)
+                self._unseen = True
                 lo = page * HEADERS_PER_PAGE
                 self.unreadable.update(SsdLocation(p.index, s) for s in range(lo, min(lo + HEADERS_PER_PAGE,
                                                                                         p.num_slots)))
