@@ -11,7 +11,6 @@ the memory limit of the current cgroup.
 from __future__ import annotations
 
 import enum
-import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -104,10 +103,10 @@ def parse_enum(enum_cls: type[enum.Enum]) -> Callable[[str, object, str], enum.E
 def parse_int_range(lo: int, hi: int) -> Callable[[str, object, str], int]:
     def parse(key: str, value: object, source: str = "") -> int:
         text = str(value).strip()
-        try:  # ASCII digits only: int() also takes other scripts' digits ('８')
-            n = int(text) if not isinstance(value, bool) and text.isascii() else None
-        except ValueError:
-            n = None
+        # ASCII digits and an optional minus only: int() also takes other
+        # scripts' digits ('８'), underscores ('1_0') and a plus sign.
+        digits = text[1:] if text.startswith("-") else text
+        n = int(text) if not isinstance(value, bool) and digits.isascii() and digits.isdigit() else None
         if n is None or not lo <= n <= hi:
             raise ConfigError(key, value, f"expected a whole number from {lo} to {hi}", source)
         return n
@@ -115,13 +114,15 @@ def parse_int_range(lo: int, hi: int) -> Callable[[str, object, str], int]:
     return parse
 
 
+SECONDS_MAX = 7 * 24 * 3600.0  # a week: a longer wait is a mistyped value (and overflows the waits that take it)
+_SECONDS_RE = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?\s*s?$")
+
+
 def parse_seconds(key: str, value: object, source: str = "") -> float:
-    try:
-        t = float(str(value).strip().rstrip("s")) if not isinstance(value, bool) else -1.0
-    except ValueError:
-        t = -1.0
-    if not 0 <= t < math.inf:
-        raise ConfigError(key, value, "expected a number of seconds, 0 or more", source)
+    text = str(value).strip()
+    t = float(text.rstrip("s")) if not isinstance(value, bool) and _SECONDS_RE.match(text) else -1.0
+    if not 0 <= t <= SECONDS_MAX:
+        raise ConfigError(key, value, f"expected a number of seconds from 0 to {SECONDS_MAX:.0f} (a week)", source)
     return t
 
 
@@ -153,7 +154,10 @@ class ServiceAddress:
     unix_path: str | None = None
 
 
-HOST_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
+# An IPv6 address in brackets, or a name or IPv4 address: labels of letters,
+# digits, "_" and "-", not starting or ending with "-", dot-separated.
+HOST_RE = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|(?:[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?)"
+                     r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?)$")
 PLACEHOLDER_RE = re.compile(r"^x{1,3}(?:\.x{1,3}){3}$", re.IGNORECASE)  # the seeds' "xx.xx.xx.xx"
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 

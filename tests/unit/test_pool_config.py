@@ -324,6 +324,13 @@ BAD: list[tuple[str, str, str]] = [
     ("kvtier.io_threads", "65", "from 1 to 64"),
     ("kvtier.warm_interval", "-1", "seconds"),
     ("kvtier.warm_interval", "inf", "seconds"),
+    ("kvtier.warm_interval", "1e10", "from 0 to 604800"),  # a wait that long overflows the warmer's
+    ("kvtier.warm_interval", "5ss", "seconds"),
+    ("kvtier.warm_interval", "1_000", "seconds"),
+    ("kvtier.io_threads", "1_0", "from 1 to 64"),
+    ("kvtier.io_threads", "+8", "from 1 to 64"),
+    ("ock.mmc.meta_service_url", "tcp://-:5000", "tcp://HOST:PORT"),
+    ("ock.mmc.meta_service_url", "tcp://...:5000", "tcp://HOST:PORT"),
     ("kvtier.shm_dir", "dev/shm", "absolute"),
     ("kvtier.ssd_size", "lots", "size"),
 ]
@@ -488,6 +495,26 @@ def test_a_pool_the_host_cannot_hold_is_refused_naming_the_keys_it_comes_from(tm
     assert err.source == f"{tmp_path / 'mmc-local.conf'}:1, {tmp_path / 'mmc-local.conf'}:2"
     assert "free" in err.reason and "ubsio.standalone.device_count" in err.reason
     check_pool_fits(load_local(tmp_path, "ock.mmc.local_service.dram.size = 64MB\n"))  # fits: no error
+
+
+def test_a_shm_dir_that_is_no_folder_is_blamed_on_its_key_not_the_size(tmp_path: Path) -> None:
+    cfg = load_local(tmp_path, f"ock.mmc.local_service.dram.size = 64MB\nkvtier.shm_dir = {tmp_path / 'none'}\n")
+    with pytest.raises(ConfigError) as info:
+        check_pool_fits(cfg)
+    assert info.value.key == "kvtier.shm_dir" and "not a directory" in info.value.reason
+    assert "lower this size" not in str(info.value)
+
+
+def test_a_value_that_may_be_a_secret_is_not_shown_where_the_files_disagree(tmp_path: Path) -> None:
+    meta = write(tmp_path, "mmc-meta.conf", "ock.mmc.zmq.private_key = SECRET-A\n")
+    local = write(tmp_path, "mmc-local.conf", "ock.mmc.zmq.private_key = SECRET-B\n")
+    cfg = load_pool_config(env={"MMC_META_CONFIG_PATH": meta, "MMC_LOCAL_CONFIG_PATH": local})
+    text = "\n".join(cfg.warnings + cfg.ignored)
+    assert "ock.mmc.zmq.private_key" in text and "SECRET" not in text
+    twice = write(tmp_path, "twice.conf", "ock.mmc.tls.key.pass.path = /a\nock.mmc.tls.key.pass.path = /b\n")
+    with pytest.raises(ConfigError) as info:
+        load_pool_config(env={"MMC_LOCAL_CONFIG_PATH": twice})
+    assert "/a" not in str(info.value) and "/b" not in str(info.value)
 
 
 def test_what_a_killed_service_left_counts_as_free_for_its_restart(tmp_path: Path) -> None:

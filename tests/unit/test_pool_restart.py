@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -166,3 +168,14 @@ def test_a_stopped_service_holds_up_the_engine_once_then_lookups_miss_at_once(tm
         if c is not None:
             c.shutdown()
         meta.stop()
+
+
+def test_a_ready_file_that_cannot_be_written_stops_the_service_with_one_line(tmp_path: Path) -> None:
+    conf = configs(tmp_path)
+    ready = tmp_path / "no-such-dir" / "ready"
+    env = dict(os.environ, MMC_META_CONFIG_PATH=str(conf), MMC_LOCAL_CONFIG_PATH=str(conf))
+    out = subprocess.run([sys.executable, "-m", "kvtier.meta", "--ready-file", str(ready)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"--ready-file {ready}: cannot write it" in out.stderr and "Traceback" not in out.stderr
+    assert list((tmp_path / "shm").iterdir()) == []  # nothing of the pool left behind

@@ -8,6 +8,7 @@ the service's arena and sealing slots, as connector/worker.py does.
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import struct
@@ -951,6 +952,60 @@ def test_metrics_and_queries_say_what_the_pool_holds_and_did(service: MetaServic
                               "usage": round(3 / tier.num_slots, 6)}}
     health = httpx.get(url + "/health", timeout=5).json()
     assert sorted(c["name"] for c in health["clients"]) == ["a", "b"] and health["slots"]["pins"] == 3
+
+
+def _http_exchange(h: PoolHttp, raw: bytes, half_close: bool = False) -> tuple[int, dict[str, str], bytes]:
+    """Send ``raw`` as it is; (status, headers, body) of the answer."""
+    host, port = h.server.server_address[:2]
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(raw)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.mark.parametrize(("request_", "code", "says"), [
+    (b"PUT /health HTTP/1.1\r\nHost: x\r\n\r\n", 405, "use GET"),
+    (b"DELETE /query_key HTTP/1.1\r\nHost: x\r\n\r\n", 405, "use GET"),
+    (b"OPTIONS /batch_query_keys HTTP/1.1\r\nHost: x\r\n\r\n", 405, "use GET or POST"),
+    (b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405, "use GET"),
+    (b"POST /batch_query_keys HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411,
+     "Content-Length"),
+    (b"POST /batch_query_keys HTTP/1.1\r\nHost: x\r\nContent-Length: 1_0\r\n\r\n", 400, "'1_0' is not"),
+    (b"POST /batch_query_keys HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400, "'-5' is not"),
+    (b"POST /batch_query_keys HTTP/1.1\r\nHost: x\r\nContent-Length: 2097152\r\n\r\n", 413, "at most"),
+    (b"POST /batch_query_keys HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{", 400, "after 1 of 100"),
+], ids=["put", "delete", "options", "post-to-get-only", "chunked", "underscore-length", "negative-length",
+        "too-long", "body-cut-short"])
+def test_http_requests_outside_the_endpoints_shapes_get_one_clear_4xx(http_server: PoolHttp, request_: bytes,
+                                                                       code: int, says: str) -> None:
+    status, headers, body = _http_exchange(http_server, request_, half_close=True)
+    assert status == code and says in json.loads(body)["error"]
+    if code == 405:
+        assert headers["Allow"] in ("GET", "GET, POST")
+    assert httpx.get(http_server.url + "/health", timeout=5).status_code == 200
+
+
+def test_http_head_gets_405_without_a_body(http_server: PoolHttp) -> None:
+    status, headers, body = _http_exchange(http_server, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, headers["Allow"], body) == (405, "GET", b"")
+
+
+def test_a_failing_http_query_answers_500_and_the_endpoint_keeps_serving(
+        http_server: PoolHttp, service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(key: bytes) -> dict:
+        raise RuntimeError("a bug in a query")
+
+    monkeypatch.setattr(service, "key_info", broken)
+    r = httpx.get(http_server.url + "/query_key", params={"key": "00" * 16}, timeout=5)
+    assert r.status_code == 500 and "internal error" in r.json()["error"]
+    assert httpx.get(http_server.url + "/health", timeout=5).status_code == 200
 
 
 def test_an_idle_http_connection_is_dropped_and_others_are_served(http_server: PoolHttp) -> None:

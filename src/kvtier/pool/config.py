@@ -186,6 +186,15 @@ def _parse_token(key: str, value: object, source: str = "") -> str:
     return text
 
 
+_SECRET_WORDS = ("token", "key", "pass", "secret", "cred")
+
+
+def _secret(key: str) -> bool:
+    """Whether ``key``'s value may be a secret (a token, a private key or its
+    passphrase): such values are never written into a message."""
+    return any(word in key.lower() for word in _SECRET_WORDS)
+
+
 def _parse_abs_path(key: str, value: object, source: str = "") -> str:
     path = parse_path(key, value, source)
     if not path.startswith("/"):
@@ -522,6 +531,9 @@ def check_pool_fits(cfg: PoolConfig, leftover_bytes: int = 0) -> None:
     try:
         check_dram_fits(replace(store, dram_size_bytes=store.dram_size_bytes - leftover_bytes))
     except ConfigError as err:
+        if err.key == "shm_dir":  # the folder, not the size
+            raise ConfigError("kvtier.shm_dir", cfg.shm_dir, err.reason,
+                              ", ".join(cfg.sources) or "kvtier's default") from None
         gib = 1 << 30
         raise ConfigError(
             DRAM_SIZE_KEY,
@@ -574,7 +586,7 @@ def _read_conf(path: str, what: str = "config file") -> dict[str, _Setting]:
             raise ConfigError(f"line {n}", line, "no key before '='", path)
         source = f"{path}:{n}"
         # A value that may be a secret is never written into a message.
-        shown = "<hidden>" if "token" in key.lower() else value
+        shown = "<hidden>" if _secret(key) else value
         spec = KEYS.get(key)
         if spec is None:
             # Nor an unknown key's value: it may be a secret under a mistyped key.
@@ -624,7 +636,7 @@ def _resolve(files: list[tuple[str, str, dict[str, _Setting]]], env: Mapping[str
         chosen[key] = win
         lose = second if first else None
         if lose is not None and lose.value != win.value and key != "ock.mmc.meta_service_url":
-            if key == "kvtier.token":  # never in a log line
+            if _secret(key):  # never in a log line
                 warnings.append(f"{lose.source}: {key} is not used: the {spec.owner} file's ({win.source}) counts")
             else:
                 warnings.append(f"{lose.source}: {key} = {lose.value!r} is not used: the {spec.owner} file's "

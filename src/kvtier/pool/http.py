@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 4096
+MAX_BODY = 1 << 20  # bytes of a POST body
+# Each path and the methods it answers; any other method gets 405 with Allow.
+ENDPOINTS = {"/metrics": ("GET",), "/health": ("GET",), "/query_key": ("GET",),
+             "/batch_query_keys": ("GET", "POST"), "/get_all_segments": ("GET",),
+             "/api/v1/capacity/usage": ("GET",)}
 HTTP_TIMEOUT_S = 10.0  # an idle or stalled HTTP connection is dropped after this long
 
 
@@ -292,14 +297,27 @@ class PoolHttp:
                 http._dispatch(self, None)
 
             def do_POST(self) -> None:  # noqa: N802
-                try:
-                    n = int(self.headers.get("Content-Length") or 0)
-                except ValueError:
-                    n = -1
-                if not 0 <= n <= 1 << 20:
-                    _reply(self, 413, {"error": "Content-Length must be 0 to 1 MiB"})
+                if self.headers.get("Transfer-Encoding"):
+                    _reply(self, 411, {"error": "send the body with a Content-Length, not Transfer-Encoding"})
                     return
-                http._dispatch(self, self.rfile.read(n))
+                given = (self.headers.get("Content-Length") or "0").strip()
+                if not (given.isascii() and given.isdigit() and len(given) <= 12):
+                    _reply(self, 400, {"error": f"Content-Length {given[:32]!r} is not a number of bytes"})
+                    return
+                n = int(given)
+                if n > MAX_BODY:
+                    _reply(self, 413, {"error": f"Content-Length {n}: at most {MAX_BODY} bytes (1 MiB)"})
+                    return
+                body = self.rfile.read(n)
+                if len(body) < n:
+                    _reply(self, 400, {"error": f"the body ended after {len(body)} of {n} bytes"})
+                    return
+                http._dispatch(self, body)
+
+            def _other_method(self) -> None:
+                http._dispatch(self, None)
+
+            do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other_method  # noqa: N815 - 405 each
 
         server_class = _ServerV6 if ":" in host else _Server
         self.server = server_class((host, port), Handler)
@@ -323,7 +341,11 @@ class PoolHttp:
         url = urlsplit(h.path)
         q = parse_qs(url.query)
         try:
-            if url.path == "/metrics":
+            allowed = ENDPOINTS.get(url.path)
+            if allowed is not None and h.command not in allowed:
+                _reply(h, 405, {"error": f"{h.command} {url.path}: use {' or '.join(allowed)}"},
+                       allow=", ".join(allowed), body=h.command != "HEAD")
+            elif url.path == "/metrics":
                 data = generate_latest(self.registry)
                 h.send_response(200)
                 h.send_header("Content-Type", CONTENT_TYPE_LATEST)
@@ -353,11 +375,18 @@ class PoolHttp:
                                        "usage": round(n / total, 6) if total else 0.0}
                                 for tier, total, n, size in _tiers(self.svc)})
             else:
-                _reply(h, 404, {"error": f"no such endpoint: {url.path}",
-                                "endpoints": ["/metrics", "/health", "/query_key", "/batch_query_keys",
-                                              "/get_all_segments", "/api/v1/capacity/usage"]})
+                _reply(h, 404, {"error": f"no such endpoint: {url.path}", "endpoints": list(ENDPOINTS)},
+                       body=h.command != "HEAD")
         except ValueError as err:
             _reply(h, 400, {"error": str(err)})
+        except OSError:
+            pass  # the client went away: nothing to answer
+        except Exception:  # noqa: BLE001 - a bug answers 500; the service and this thread go on
+            log.exception("kvtier meta http: %s %s failed", h.command, url.path)
+            try:
+                _reply(h, 500, {"error": "internal error (see the meta service's log)"})
+            except OSError:
+                pass
 
 
 def _hex_key(text: str) -> bytes:
@@ -388,10 +417,13 @@ def _batch_keys(q: dict[str, list[str]], body: bytes | None) -> list[str]:
     return keys
 
 
-def _reply(h: BaseHTTPRequestHandler, code: int, doc: object) -> None:
+def _reply(h: BaseHTTPRequestHandler, code: int, doc: object, allow: str | None = None, body: bool = True) -> None:
     data = json.dumps(doc).encode()
     h.send_response(code)
     h.send_header("Content-Type", "application/json")
     h.send_header("Content-Length", str(len(data)))
+    if allow is not None:
+        h.send_header("Allow", allow)
     h.end_headers()
-    h.wfile.write(data)
+    if body:
+        h.wfile.write(data)

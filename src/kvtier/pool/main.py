@@ -114,8 +114,17 @@ def run(args: argparse.Namespace) -> int:
     log.info("kvtier meta: serving the node pool at %s; metrics at %s/metrics (files: %s)", svc.address, http.url,
              ", ".join(cfg.sources) or "none, defaults")
     if args.ready_file:
-        with open(args.ready_file, "w") as f:
-            f.write(f"{svc.address}\n{http.url}\n")
+        try:
+            with open(args.ready_file, "w") as f:
+                f.write(f"{svc.address}\n{http.url}\n")
+        except OSError as err:
+            log.error("kvtier meta: --ready-file %s: cannot write it: %s; stopping", args.ready_file,
+                      err.strerror or err)
+            http.stop()
+            svc.stop(keep_adoptable=True)
+            if master is not None:
+                master.stop()
+            return 2
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
