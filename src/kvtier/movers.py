@@ -119,6 +119,11 @@ class _Jobs:
         if fut.exception() is not None:
             log.error("kvtier: I/O job failed", exc_info=fut.exception())
 
+    @property
+    def busy(self) -> bool:
+        """Jobs are in flight (a snapshot, read without the lock)."""
+        return bool(self._inflight)
+
     def wait_progress(self, timeout_s: float) -> None:
         """Block for at most ``timeout_s`` or until a job finishes, releasing the GIL."""
         with self._idle:
@@ -365,6 +370,13 @@ CLUSTER_RETRY_FIRST_S = 0.2
 CLUSTER_RETRY_MAX_S = 5.0
 CLUSTER_HEALTH_MISSES = 3  # failed health checks in a row that mark a reachable cluster down
 CLUSTER_AUDIT_KEYS = 512  # published blocks asked about with each health check during a pass
+# A key whose fetch failed (a value that fails its checks, or a transfer
+# error) is not looked up in the cluster again for this long: the cluster
+# would say it holds it, the fetch would fail again, and every request with
+# that prefix would wait out promote_timeout_s. The last CLUSTER_SHUN_MAX
+# such keys are remembered.
+CLUSTER_SHUN_S = 30.0
+CLUSTER_SHUN_MAX = 4096
 
 
 class RemoteTier(Protocol):
@@ -496,6 +508,8 @@ class ClusterMover(_Jobs):
         self._io = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="kvtier-cluster")
         self._ask = ThreadPoolExecutor(1, thread_name_prefix="kvtier-cluster-lookup")
         self._asking: tuple[Future, float] | None = None  # the last lookup sent, and when
+        self._shunned: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # key -> until when
+        self._shun_lock = threading.Lock()
         self._health = threading.Thread(target=self._health_loop, name="kvtier-cluster-health", daemon=True)
         self._health.start()
 
@@ -508,7 +522,10 @@ class ClusterMover(_Jobs):
         return self._closed.is_set()
 
     def close(self) -> None:
-        self._closed.set()
+        # Under the store's lock: whatever hands jobs over checks ``closed``
+        # under it, so no job is submitted to the threads shut down below.
+        with self._lock:
+            self._closed.set()
         self._wake.set()
         self._io.shutdown(wait=True)
         self._ask.shutdown(wait=False, cancel_futures=True)
@@ -668,6 +685,7 @@ class ClusterMover(_Jobs):
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the cluster holds (0 while it is down).
         Called by the store outside its lock; waits at most ``timeout_s``."""
+        keys = keys[: self._unshunned_run(keys)]
         if not keys or not self._up:
             return 0
         stuck = self._asking
@@ -698,12 +716,40 @@ class ClusterMover(_Jobs):
             self._c.cluster_hits += n
         return n
 
+    def _unshunned_run(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` have no failed fetch within CLUSTER_SHUN_S."""
+        if not self._shunned:
+            return len(keys)
+        now = time.monotonic()
+        with self._shun_lock:
+            for i, key in enumerate(keys):
+                until = self._shunned.get(key)
+                if until is None:
+                    continue
+                if until > now:
+                    return i
+                del self._shunned[key]
+        return len(keys)
+
+    def _shun(self, keys: Sequence[bytes]) -> None:
+        until = time.monotonic() + CLUSTER_SHUN_S
+        with self._shun_lock:
+            for key in keys:
+                self._shunned[key] = until
+                self._shunned.move_to_end(key)
+            while len(self._shunned) > CLUSTER_SHUN_MAX:
+                self._shunned.popitem(last=False)
+
     def room(self) -> int:
         """Blocks that may start publishing now (under the store's lock)."""
         return max(0, self._limit - self.publishing) if self._up else 0
 
     def fetch(self, jobs: list[tuple[bytes, int]]) -> None:
         """Get each (key, DRAM slot) of PROMOTING entries, ``CLUSTER_BATCH`` per call."""
+        if self.closed:  # shutting down: no thread takes them; their entries end at once (a miss)
+            for key, _ in jobs:
+                self._host._end_fetch_locked(key, Fetched.ERROR, self.epoch)
+            return
         for i in range(0, len(jobs), CLUSTER_BATCH):
             batch = jobs[i : i + CLUSTER_BATCH]
             self._submit(self._fetch, batch)
@@ -722,6 +768,11 @@ class ClusterMover(_Jobs):
         epoch = self.epoch  # what a fetched block is known to be in the cluster for
         try:
             outcomes = self.remote.fetch(keys, [s for _, s in jobs]) if self._up else [Fetched.ERROR] * len(jobs)
+            # The keys the cluster answered for and failed (the whole call
+            # failing marks the cluster down instead, and a cluster down is
+            # asked nothing).
+            self._shun([k for k, outcome in zip(keys, outcomes) if outcome in (Fetched.CORRUPT, Fetched.ERROR)]
+                       if self._up else [])
         except ClusterError as err:
             self._down(err)
             outcomes = [Fetched.ERROR] * len(jobs)

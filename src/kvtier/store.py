@@ -379,8 +379,13 @@ class TieredStore:
         return self._cluster
 
     def wait_progress(self, timeout_s: float) -> None:
-        """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL."""
-        if self._cluster is not None and self.ssd is None:
+        """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL.
+
+        On the SSD mover's jobs when it has some, else on the cluster
+        mover's: with both tiers, a prefix found only in the cluster must
+        not have the scheduler ask again at once (each mover wakes only its
+        own waiters)."""
+        if self._cluster is not None and not self._mover.busy:
             self._cluster.wait_progress(timeout_s)
             return
         self._mover.wait_progress(timeout_s)

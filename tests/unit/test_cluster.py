@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[cluster] extra")
 
+from kvtier import movers  # noqa: E402
 from kvtier.cluster.client import Fetched, MooncakeTier, verify_staged  # noqa: E402
 from kvtier.cluster.master import MasterSupervisor, port_open  # noqa: E402
 from kvtier.config import ClusterConfig  # noqa: E402
@@ -270,6 +271,26 @@ def test_flipped_byte_in_the_cluster_is_a_miss_counted(node: TieredStore, peer: 
     assert not node.contains(keys[1])
 
 
+def test_a_block_found_bad_in_the_cluster_is_not_asked_for_again_for_a_while(node: TieredStore, peer: Peer,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cluster still says it holds a block whose value failed its checks:
+    looked up again at once, it would be fetched and fail again, and every
+    request with the prefix would wait out promote_timeout_s."""
+    keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=90, n=3)["keys"]]
+    assert peer.do(op="flip", key=keys[1].hex())["put"] == 0
+    assert fetch(node, keys) == 1
+    p = node.probe(keys)
+    assert (p.ready, p.total, p.remote) == (1, 1, 0)  # the lookup stops at the bad block
+    assert node.promote(keys[p.ready : p.total]) == 0
+    assert node.counters()["cluster_corrupt"] == 1  # fetched once
+    # Once the while has passed, the cluster is asked again.
+    monkeypatch.setattr(movers, "CLUSTER_SHUN_S", 0.0)
+    keys2 = [bytes.fromhex(k) for k in peer.do(op="save", seed=91, n=2)["keys"]]
+    assert peer.do(op="flip", key=keys2[0].hex())["put"] == 0
+    assert fetch(node, keys2) == 0
+    assert node.probe(keys2).remote == 2
+
+
 def test_foreign_value_under_a_key_is_a_miss(node: TieredStore, peer: Peer) -> None:
     keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=3, n=2)["keys"]]
     assert peer.do(op="foreign", key=keys[1].hex(), **{"as": keys[0].hex()})["put"] == 0
@@ -408,6 +429,26 @@ def test_blocks_lost_with_a_peer_that_left_are_published_again(make_tier, peer: 
         assert c["cluster_lost"] == 0  # the mark stayed: the checks of published blocks did it
         assert n - 255 <= c["cluster_vanished"] <= n
         assert c["cluster_published"] == n + c["cluster_vanished"]
+    finally:
+        store.close()
+
+
+def test_a_promotion_once_the_cluster_tier_closed_is_a_miss_with_nothing_left_promoting(
+        make_tier, peer: Peer, cluster_cfg: ClusterConfig) -> None:
+    """The store's calls can meet a cluster tier closing (a service
+    stopping): a fetch handed over then was submitted to threads already
+    shut down, raised, and left its entries PROMOTING."""
+    tier = make_tier(4096 * 4 + 32 * (RANK_BYTES + 128), RANK_BYTES)
+    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(replace(cluster_cfg, segment_bytes=0), tier))
+    try:
+        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
+        keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=92, n=2)["keys"]]
+        assert store.probe(keys).remote == 2
+        store.cluster.close()
+        assert store.promote(keys) == 2
+        assert store.moving().from_cluster == 0 and not any(store.contains(k) for k in keys)
+        assert store.counters()["cluster_fetch_errors"] == 2
+        assert store.used_slots == 0 and store.odd_keys_consistent()  # their DRAM slots are free again
     finally:
         store.close()
 
