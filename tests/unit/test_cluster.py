@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -532,6 +533,55 @@ def test_fetch_outcomes_of_the_client(make_tier, master: MasterSupervisor, clust
         assert tier.is_sealed(0, keys[0]) and not tier.is_sealed(1, block_key(8, 99))
         assert client.exists([keys[0], block_key(8, 99)]) == [True, False]
     finally:
+        client.close()
+
+
+class StallFirstGet:
+    """Mooncake's client with its first get stalled until released (a peer that stops answering)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.stalled = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def batch_get_into_multi_buffers(self, *args: object) -> object:
+        if not self.stalled.is_set():
+            self.stalled.set()
+            self.release.wait(60)
+        return self.inner.batch_get_into_multi_buffers(*args)  # type: ignore[attr-defined]
+
+
+def test_a_stalled_fetch_holds_up_no_other(make_tier, master: MasterSupervisor, cluster_cfg: ClusterConfig,
+                                           peer: Peer) -> None:
+    tier = make_tier(4096 * 4 + 8 * (RANK_BYTES + 128), RANK_BYTES)
+    client = MooncakeTier(cluster_cfg, tier)
+    wait_for(lambda: _connects(client), what="the client to connect")
+    stall = StallFirstGet(client._store)
+    client._store = stall
+    keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=93, n=2)["keys"]]
+    results: dict[str, list[Fetched]] = {}
+    first = threading.Thread(target=lambda: results.update(first=client.fetch(keys[:1], [0])), daemon=True)
+    second = threading.Thread(target=lambda: results.update(second=client.fetch(keys[1:], [1])), daemon=True)
+    try:
+        first.start()
+        assert stall.stalled.wait(30)
+        second.start()
+        second.join(30)
+        assert results.get("second") == [Fetched.OK]  # while the first is still stalled
+        assert "first" not in results
+        stall.release.set()
+        first.join(30)
+        assert results["first"] == [Fetched.OK]
+        assert tier.is_sealed(0, keys[0]) and tier.is_sealed(1, keys[1])
+    finally:
+        stall.release.set()
+        for t in (first, second):  # no call may be inside Mooncake's client when it closes
+            if t.ident is not None:  # started
+                t.join(60)
+        client._store = stall.inner
         client.close()
 
 

@@ -47,7 +47,9 @@ everything it had published as unpublished (see ``ClusterMover``). A node
 that dies without closing leaves its mark (64 bytes) in the cluster.
 
 Thread safety: Mooncake's client is called from several threads; the
-staging buffer of headers is split per call under a lock.
+staging buffer of headers is cut in STAGING_REGIONS regions, and each
+fetch call holds one while it runs, so a fetch that stalls inside Mooncake
+holds up no other.
 
 Highly available master (``kvtier.cluster.etcd_endpoints``): the client is
 set up with ``etcd://HOST:PORT;...`` (:func:`master_entry`) and Mooncake
@@ -66,7 +68,7 @@ import enum
 import logging
 import mmap
 import os
-import threading
+import queue
 from collections.abc import Sequence
 
 from kvtier.cluster import etcd
@@ -80,7 +82,9 @@ from kvtier.tier.dram import HEADER_BYTES, HEADER_DTYPE, DramTier
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "kvtier1"
-STAGING_HEADERS = 1024  # headers one fetch call may stage; bigger batches are split
+STAGING_HEADERS = 1024  # headers staged at once, by all fetch calls together
+STAGING_REGIONS = 4  # fetch calls running at once (the mover runs 2); each stages up to a region's headers
+REGION_HEADERS = STAGING_HEADERS // STAGING_REGIONS  # bigger batches are split
 MARK_BYTES = 64  # this node's mark: a small value whose absence says the cluster lost what the node published
 _NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 
@@ -164,7 +168,9 @@ class MooncakeTier:
         self._store = None
         self._staging: mmap.mmap | None = None
         self._staging_addr = 0
-        self._staging_lock = threading.Lock()
+        self._regions: queue.SimpleQueue[int] = queue.SimpleQueue()  # free staging regions
+        for r in range(STAGING_REGIONS):
+            self._regions.put(r)
         self._replicate = None
         self._mark_rep = None
         self._tag = f"{KEY_PREFIX}/{tier.ranks}x{tier.rank_bytes}/"
@@ -324,27 +330,32 @@ class MooncakeTier:
         """Get each block into its arena ``slot`` (taken by the caller, not
         readable by anyone), verify it and seal the slot's header."""
         out: list[Fetched] = []
-        for i in range(0, len(keys), STAGING_HEADERS):
-            out += self._fetch(keys[i : i + STAGING_HEADERS], slots[i : i + STAGING_HEADERS])
+        for i in range(0, len(keys), REGION_HEADERS):
+            out += self._fetch(keys[i : i + REGION_HEADERS], slots[i : i + REGION_HEADERS])
         return out
 
     def _fetch(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[Fetched]:
         tier = self.tier
         store = self._client()
-        with self._staging_lock:
-            staging = self._staging
-            assert staging is not None
-            staged, slot0, stride = self._staging_addr, tier.slot_address(0), tier.slot_stride
+        staging = self._staging
+        assert staging is not None
+        region = self._regions.get()  # one is free whenever fewer than STAGING_REGIONS calls run
+        try:
+            first = region * REGION_HEADERS * HEADER_BYTES
+            staged, slot0, stride = self._staging_addr + first, tier.slot_address(0), tier.slot_stride
             ptrs = [[staged + i * HEADER_BYTES, slot0 + s * stride] for i, s in enumerate(slots)]
             sizes = [[HEADER_BYTES, stride]] * len(keys)
             got = store.batch_get_into_multi_buffers([self.name(k) for k in keys], ptrs, sizes)
             if len(got) != len(keys):
                 raise ClusterError("get answered for another number of keys")
-            return verify_staged(tier, staging, keys, slots, got, self._value_bytes)
+            view = memoryview(staging)[first : first + REGION_HEADERS * HEADER_BYTES]
+            return verify_staged(tier, view, keys, slots, got, self._value_bytes)
+        finally:
+            self._regions.put(region)
 
 
-def verify_staged(tier: DramTier, staging: mmap.mmap | bytearray, keys: Sequence[bytes], slots: Sequence[int],
-                  got: Sequence[int], value_bytes: int) -> list[Fetched]:
+def verify_staged(tier: DramTier, staging: mmap.mmap | bytearray | memoryview, keys: Sequence[bytes],
+                  slots: Sequence[int], got: Sequence[int], value_bytes: int) -> list[Fetched]:
     """The outcome of each fetched block, whose header is staged at index
     ``i`` of ``staging`` and whose bytes are in DRAM slot ``slots[i]``
     (``got[i]``: what Mooncake's get answered for it, bytes or an error).
