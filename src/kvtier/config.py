@@ -106,7 +106,8 @@ def parse_int_range(lo: int, hi: int) -> Callable[[str, object, str], int]:
         # ASCII digits and an optional minus only: int() also takes other
         # scripts' digits ('８'), underscores ('1_0') and a plus sign.
         digits = text[1:] if text.startswith("-") else text
-        n = int(text) if not isinstance(value, bool) and digits.isascii() and digits.isdigit() else None
+        ok = not isinstance(value, bool) and digits.isascii() and digits.isdigit() and len(digits) <= 18
+        n = int(text) if ok else None
         if n is None or not lo <= n <= hi:
             raise ConfigError(key, value, f"expected a whole number from {lo} to {hi}", source)
         return n
@@ -115,7 +116,7 @@ def parse_int_range(lo: int, hi: int) -> Callable[[str, object, str], int]:
 
 
 SECONDS_MAX = 7 * 24 * 3600.0  # a week: a longer wait is a mistyped value (and overflows the waits that take it)
-_SECONDS_RE = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?\s*s?$")
+_SECONDS_RE = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?\s*s?$", re.ASCII)
 
 
 def parse_seconds(key: str, value: object, source: str = "") -> float:

@@ -124,6 +124,11 @@ class _Jobs:
         """Jobs are in flight (a snapshot, read without the lock)."""
         return bool(self._inflight)
 
+    @property
+    def idle(self) -> threading.Condition:
+        """Notified, under the store's lock, each time a job ends."""
+        return self._idle
+
     def wait_progress(self, timeout_s: float) -> None:
         """Block for at most ``timeout_s`` or until a job finishes, releasing the GIL."""
         with self._idle:
@@ -484,7 +489,8 @@ class ClusterMover(_Jobs):
     """
 
     def __init__(self, host: ClusterHost, lock: threading.RLock, counts: EventCounts, tier: DramTier,
-                 remote: RemoteTier, *, timeout_s: float = 2.0, queue_blocks: int = 1024) -> None:
+                 remote: RemoteTier, *, timeout_s: float = 2.0, queue_blocks: int = 1024,
+                 idle: threading.Condition | None = None) -> None:
         self._host = host
         self._lock = lock
         self._c = counts
@@ -504,7 +510,9 @@ class ClusterMover(_Jobs):
         self._closed = threading.Event()
         self._wake = threading.Event()
         self._inflight: set[Future] = set()
-        self._idle = threading.Condition(lock)
+        # ``idle``: the store's SSD mover's condition, shared, so that a wait
+        # for progress wakes when a job of either mover ends.
+        self._idle = idle if idle is not None else threading.Condition(lock)
         self._io = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="kvtier-cluster")
         self._ask = ThreadPoolExecutor(1, thread_name_prefix="kvtier-cluster-lookup")
         self._asking: tuple[Future, float] | None = None  # the last lookup sent, and when
@@ -766,13 +774,13 @@ class ClusterMover(_Jobs):
     def _fetch(self, jobs: list[tuple[bytes, int]]) -> None:
         keys = [k for k, _ in jobs]
         epoch = self.epoch  # what a fetched block is known to be in the cluster for
+        asked = self._up  # read once: a cluster down is asked nothing, and nothing is shunned for it
         try:
-            outcomes = self.remote.fetch(keys, [s for _, s in jobs]) if self._up else [Fetched.ERROR] * len(jobs)
+            outcomes = self.remote.fetch(keys, [s for _, s in jobs]) if asked else [Fetched.ERROR] * len(jobs)
             # The keys the cluster answered for and failed (the whole call
-            # failing marks the cluster down instead, and a cluster down is
-            # asked nothing).
-            self._shun([k for k, outcome in zip(keys, outcomes) if outcome in (Fetched.CORRUPT, Fetched.ERROR)]
-                       if self._up else [])
+            # failing marks the cluster down instead).
+            if asked:
+                self._shun([k for k, outcome in zip(keys, outcomes) if outcome in (Fetched.CORRUPT, Fetched.ERROR)])
         except ClusterError as err:
             self._down(err)
             outcomes = [Fetched.ERROR] * len(jobs)

@@ -350,7 +350,8 @@ class TieredStore:
         self._publish_on_evict = publish_on_evict
         self._cluster_lookup = cluster_lookup_blocks
         self._cluster = ClusterMover(self, self._lock, self._c, tier, cluster, timeout_s=cluster_timeout_s,
-                                     queue_blocks=cluster_queue_blocks) if cluster is not None else None
+                                     queue_blocks=cluster_queue_blocks, idle=self._mover.idle) \
+            if cluster is not None else None
 
     def _adopt(self, recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]]) -> None:
         # Written twice (a newer copy elsewhere before a crash): the newest
@@ -381,14 +382,13 @@ class TieredStore:
     def wait_progress(self, timeout_s: float) -> None:
         """Block for at most ``timeout_s`` or until an I/O job finishes, releasing the GIL.
 
-        On the SSD mover's jobs when it has some, else on the cluster
-        mover's: with both tiers, a prefix found only in the cluster must
-        not have the scheduler ask again at once (each mover wakes only its
-        own waiters)."""
-        if self._cluster is not None and not self._mover.busy:
-            self._cluster.wait_progress(timeout_s)
-            return
-        self._mover.wait_progress(timeout_s)
+        Both movers' jobs end on one condition: with both tiers, a prefix
+        found only in the cluster does not have the scheduler ask again at
+        once, nor wait for an SSD job while its fetch has ended."""
+        cluster = self._cluster
+        with self._mover.idle:
+            if self._mover.busy or (cluster is not None and cluster.busy):
+                self._mover.idle.wait(timeout_s)
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Wait until no demotion, promotion, fetch or publication is in flight (tests, shutdown, benchmarks)."""

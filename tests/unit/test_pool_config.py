@@ -329,6 +329,8 @@ BAD: list[tuple[str, str, str]] = [
     ("kvtier.warm_interval", "1_000", "seconds"),
     ("kvtier.io_threads", "1_0", "from 1 to 64"),
     ("kvtier.io_threads", "+8", "from 1 to 64"),
+    ("kvtier.io_threads", "9" * 5000, "from 1 to 64"),  # past Python's int() digit limit: still one line
+    ("kvtier.warm_interval", "\uff15", "seconds"),  # a full-width 5
     ("ock.mmc.meta_service_url", "tcp://-:5000", "tcp://HOST:PORT"),
     ("ock.mmc.meta_service_url", "tcp://...:5000", "tcp://HOST:PORT"),
     ("kvtier.shm_dir", "dev/shm", "absolute"),

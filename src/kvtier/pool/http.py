@@ -379,8 +379,8 @@ class PoolHttp:
                        body=h.command != "HEAD")
         except ValueError as err:
             _reply(h, 400, {"error": str(err)})
-        except OSError:
-            pass  # the client went away: nothing to answer
+        except (ConnectionError, TimeoutError):
+            pass  # the client went away, or stopped reading: nothing to answer
         except Exception:  # noqa: BLE001 - a bug answers 500; the service and this thread go on
             log.exception("kvtier meta http: %s %s failed", h.command, url.path)
             try:
