@@ -202,7 +202,7 @@ def run_transfers(args: argparse.Namespace) -> int:
         def kv_put() -> None:
             # What ClusterMover._publish does: every rank of each pinned block
             # checked against its header, then the put (under new names here).
-            assert all(tier.verify(s, bytes([s]) * 16, r) for s in slots for r in range(tier.ranks))
+            assert all(tier.verify_many(slots, [bytes([s]) * 16 for s in slots]))
             r = next(rounds)
             ks = [r.to_bytes(8, "little") + bytes([s]) * 8 for s in slots]
             assert all(client.publish(ks, slots))

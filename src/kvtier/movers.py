@@ -802,19 +802,19 @@ class ClusterMover(_Jobs):
         epoch = self.epoch  # read before the puts: one that spans a new epoch counts as of the old
         bad = set()
         good: list[tuple[bytes, int]] = []
-        for key, slot in jobs:
-            # Pinned by the store, so the bytes stay as they are checked: only
-            # a block that matches its own header is published (a copy that
-            # went bad in DRAM would otherwise travel as a "valid" block).
-            try:
-                intact = all(tier.verify(slot, key, r) for r in range(tier.ranks))
-            except Exception:  # noqa: BLE001 - never leave entries pinned forever
-                log.exception("kvtier cluster: checking a block before publishing it failed")
-                intact = False
-            if not intact:
-                bad.add(key)
-            else:
+        # Pinned by the store, so the bytes stay as they are checked: only a
+        # block that matches its own header is published (a copy that went
+        # bad in DRAM would otherwise travel as a "valid" block).
+        try:
+            intact = tier.verify_many([s for _, s in jobs], [k for k, _ in jobs])
+        except Exception:  # noqa: BLE001 - never leave entries pinned forever
+            log.exception("kvtier cluster: checking %d blocks before publishing them failed", len(jobs))
+            intact = [False] * len(jobs)
+        for (key, slot), ok in zip(jobs, intact):
+            if ok:
                 good.append((key, slot))
+            else:
+                bad.add(key)
         ok: list[bool] = []
         if good and self._up:
             try:

@@ -607,6 +607,27 @@ def test_data_checks_agree_with_verify_for_every_part(make_tier, capacity_for) -
         assert got == [tier.verify(s, keys[s], r) for s in range(6)] == want, (r, got)
 
 
+def test_verify_many_is_verify_of_every_rank_for_each_block(make_tier, capacity_for) -> None:
+    # A cluster put's check of its batch: a flipped byte in either rank, a
+    # part sealed under another key, a rank not sealed, all refused.
+    tier = make_tier(capacity_for(6, 4096, ranks=2), 4096, ranks=2)
+    keys = [bytes([i + 1]) * 16 for i in range(6)]
+    for s, k in enumerate(keys):
+        for r in range(2):
+            if s == 5 and r == 1:
+                continue  # rank 1 never sealed slot 5
+            view = tier.rank_view(s, r)
+            view.copy_(torch.randint(0, 256, (view.numel(),), dtype=torch.uint8))
+            sealed_as = keys[0] if s == 4 else k
+            tier.seal(s, sealed_as, r, checksum(view, sealed_as))
+    tier.rank_view(2, 1)[100] ^= 0x10
+    tier.rank_view(3, 0)[-1] ^= 0x01
+    got = tier.verify_many(list(range(6)), keys)
+    assert got == [all(tier.verify(s, keys[s], r) for r in range(2)) for s in range(6)]
+    assert got == [True, True, False, False, False, False]
+    assert tier.verify_many([], []) == []
+
+
 def test_a_header_snapshot_tells_a_reused_slot_from_an_untouched_one(make_tier, capacity_for) -> None:
     """What a load checked its slots against: any clear since the snapshot is
     a change, even one followed by the very header it had (the same block
