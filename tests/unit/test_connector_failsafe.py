@@ -108,6 +108,26 @@ def test_saves_of_a_step_with_a_failed_load_are_all_dropped(worker_and_tier) -> 
     assert not tier.is_sealed(1, b"b" * 16) and not tier.is_sealed(2, b"c" * 16)
 
 
+def test_a_failed_load_is_reported_with_the_next_step_too(worker_and_tier) -> None:
+    """A request planned before the failure reached vLLM (asynchronous
+    scheduling) may have hit the block in vLLM's prefix cache and computed
+    on it: reported again, the block rolls that request back as well."""
+    w, tier, kv = worker_and_tier
+    tier.clear(0, b"a" * 16)  # published for key a, never sealed: the load fails
+    plan = StepPlan(step=5, arena=tier.path, loads=[BlockCopy(1, 0, b"a" * 16)])
+    w.start_load_kv(plan)
+    w.wait_for_save(plan)
+    assert w.get_block_ids_with_load_errors() == {1}
+    w.build_report()
+    for step, want in ((6, {1}), (7, set())):
+        plan = StepPlan(step=step, arena=tier.path)
+        w.start_load_kv(plan)
+        w.wait_for_save(plan)
+        assert w.get_block_ids_with_load_errors() == want, step
+        w.build_report()
+    assert w.get_kv_connector_stats().data["load_errors"] == 1  # one failed load, counted once
+
+
 def test_a_clean_step_saves_and_seals(worker_and_tier) -> None:
     w, tier, kv = worker_and_tier
     plan = StepPlan(step=6, arena=tier.path, saves=[BlockCopy(2, 1, b"b" * 16)])

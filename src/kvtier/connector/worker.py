@@ -129,6 +129,7 @@ class WorkerSide:
         self._tier: DramTier | None = None
         self._slots: torch.Tensor | None = None
         self._load_errors: set[int] = set()
+        self._errors_again: set[int] = set()  # the last step's load errors, reported with this step too
         self._report: StepReport | None = None
         self._stats = KvtierStats()
         self._bad_arena = ""  # the last arena that could not be mapped (not tried again)
@@ -463,12 +464,25 @@ class WorkerSide:
         self._stats.add("save_errors", len(plan.saves))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks whose load failed in this step, and once more those of
+        the step before.
+
+        Under asynchronous scheduling vLLM plans step S+1 before S's errors
+        reach it, and it caches a block in its prefix cache when it allocates
+        it: a request planned in S+1 may have hit a block of S's failed load
+        and computed on it. vLLM rolls back only the request that loaded the
+        block; reported again with S+1, the block is in the computed part of
+        the other request too, which vLLM then rolls back (its S+1 output
+        dropped), and the scheduler half dooms the saves planned since. A
+        block reported again after another request took it costs that
+        request a recomputation, never wrong KV."""
         self._join_verification()
         if self._load_errors:
             self._step_load_failed = True
             self._stats.add("load_errors", len(self._load_errors))
         errors, self._load_errors = self._load_errors, set()
-        return errors
+        again, self._errors_again = self._errors_again, errors
+        return errors | again
 
     # --- saves ------------------------------------------------------------
 
