@@ -69,6 +69,21 @@ def test_loads_survive_a_planning_failure_half_way(side: SchedulerSide) -> None:
     assert side.store.used_slots == used  # no slot was left waiting for a writer
 
 
+def test_a_reset_whose_store_fails_still_changes_every_key(side: SchedulerSide,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    req = FakeRequest("r", list(range(4 * BLOCK + 1)))
+    before = side._keys(side._state(req), req.num_tokens - 1)
+
+    def broken() -> int:
+        raise OSError("the store could not be reset")
+
+    monkeypatch.setattr(side.store, "reset", broken)
+    with pytest.raises(OSError):
+        side.reset_cache()
+    after = side._keys(side._state(FakeRequest("r2", list(range(4 * BLOCK + 1)))), req.num_tokens - 1)
+    assert not set(before) & set(after)
+
+
 def test_worker_reports_failed_loads_and_saves() -> None:
     w = WorkerSide(rank=0, num_blocks=16)
     plan = StepPlan(step=3, arena="/nonexistent", loads=[BlockCopy(1, 0, b"k" * 16), BlockCopy(2, 1, b"j" * 16)],

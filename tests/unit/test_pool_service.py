@@ -29,6 +29,7 @@ from kvtier.pool import wire
 from kvtier.pool.client import PoolPlacement, PoolRefused
 from kvtier.pool.http import PoolHttp
 from kvtier.pool.service import MetaService, ServiceOptions
+from kvtier.store import Probe
 from kvtier.tier.dram import DramTier, checksum
 from kvtier.tools.server import poll_until
 
@@ -100,6 +101,48 @@ def save(c: PoolPlacement, ks: list[bytes], step: int, fill: int = 7) -> list[in
     c.complete_step(step)
     c.flush()  # complete_step does not wait for the service: other sessions see the blocks after this
     return list(slots)
+
+
+def test_a_reply_trickled_slower_than_the_timeout_is_a_miss_not_a_stall(make_tier) -> None:
+    """Each read's timeout restarted by every byte: a service that answered
+    a byte at a time held the engine's call for as long as it liked."""
+    tier = make_tier(8 * (RANK_BYTES + 4096), RANK_BYTES)
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            assert isinstance(wire.decode_client(wire.recv_frame(conn)), wire.Hello)
+            conn.sendall(wire.encode(wire.Welcome(wire.PROTOCOL_VERSION, 1, tier.path, tier.num_slots, 10_000,
+                                                  False, "")))
+            while not done.is_set():
+                body = wire.recv_frame(conn)
+                if body is None:
+                    return
+                msg = wire.decode_client(body)
+                if isinstance(msg, wire.Probe):
+                    for byte in wire.encode(wire.ProbeReply(msg.id, 1, 1, 0)):
+                        if done.wait(0.2):
+                            return
+                        try:
+                            conn.sendall(bytes([byte]))
+                        except OSError:
+                            return
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = PoolPlacement(f"tcp://127.0.0.1:{listener.getsockname()[1]}", ranks=1, rank_bytes=RANK_BYTES, name="t",
+                      timeout_s=0.5)
+    _clients.append(c)
+    try:
+        assert c.probe(keys(70, 1)) == Probe(0, 0)  # a miss: the answer did not come whole in time
+        assert c.stalls == 1
+    finally:
+        done.set()
+        c.shutdown()
+        listener.close()
+        t.join(10)
 
 
 def test_a_block_saved_by_one_instance_is_found_and_pinned_by_another(service: MetaService) -> None:

@@ -505,10 +505,11 @@ class SchedulerSide:
         preempted by the reset) gets keys under the new seed; one that keeps
         running was computed before the reset and is saved no more.
         """
-        n = self.store.reset()
+        # The seed first: should the store's reset fail, nothing from before
+        # it matches all the same.
         self._seed = digest16(self._seed + os.urandom(8))
         self._reqs.clear()
-        return n
+        return self.store.reset()
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         if not num_external_tokens:

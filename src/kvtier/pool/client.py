@@ -251,8 +251,11 @@ class PoolPlacement:
                 if not wait and len(self._unanswered) < UNANSWERED_MAX:
                     self._unanswered.append((mid, type(msg).__name__))
                     return None
+                # The whole answer within timeout_s, not each read: a service
+                # trickling its replies must not hold the engine longer.
+                deadline = time.monotonic() + self.timeout_s
                 while True:
-                    body = wire.recv_frame(self._sock)
+                    body = wire.recv_frame(self._sock, deadline=deadline)
                     if body is None:
                         raise PoolUnavailable("connection closed")
                     reply = wire.decode_server(body)
