@@ -84,6 +84,17 @@ def test_a_reset_whose_store_fails_still_changes_every_key(side: SchedulerSide,
     assert not set(before) & set(after)
 
 
+def test_a_request_that_skips_reading_the_prefix_cache_is_not_looked_up(side: SchedulerSide) -> None:
+    req = FakeRequest("r", list(range(4 * BLOCK + 1)))
+    held(side, req)
+    skip = FakeRequest("s", list(range(4 * BLOCK + 1)))
+    skip.skip_reading_prefix_cache = True  # type: ignore[attr-defined] - vLLM's Request has it
+    lookups = side.store.statistics().events.lookups
+    assert side.get_num_new_matched_tokens(skip, 0) == (0, False)
+    assert side.store.statistics().events.lookups == lookups  # nothing asked of the pool (nor promoted, nor waited for)
+    assert side.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, False)
+
+
 def test_worker_reports_failed_loads_and_saves() -> None:
     w = WorkerSide(rank=0, num_blocks=16)
     plan = StepPlan(step=3, arena="/nonexistent", loads=[BlockCopy(1, 0, b"k" * 16), BlockCopy(2, 1, b"j" * 16)],

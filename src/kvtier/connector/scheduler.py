@@ -224,6 +224,10 @@ class SchedulerSide:
         st = self._state(request)
         if self._now_uncacheable(st):
             return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM counts no hit for it whatever is answered: no lookup, no
+            # promotion from SSD and no wait for one (its blocks are saved).
+            return 0, False
         # At least one token must be computed to produce logits.
         limit = request.num_tokens - 1
         keys = self._keys(st, limit)
