@@ -17,7 +17,7 @@ on a pool of I/O threads and owns everything about them:
   verified against the SSD checksum, the DRAM slot header sealed again.
 - header invalidation: SSD slots the store forgot get empty headers on disk
   before they are free, so a restart does not bring their blocks back.
-- the jobs in flight: :meth:`TierMover.wait_progress`,
+- the jobs in flight: :attr:`TierMover.idle` (what the store's wait for progress waits on),
   :meth:`TierMover.wait_idle` and :meth:`TierMover.close`.
 
 :class:`ClusterMover`, when a cluster tier is configured, does the same for
@@ -128,12 +128,6 @@ class _Jobs:
     def idle(self) -> threading.Condition:
         """Notified, under the store's lock, each time a job ends."""
         return self._idle
-
-    def wait_progress(self, timeout_s: float) -> None:
-        """Block for at most ``timeout_s`` or until a job finishes, releasing the GIL."""
-        with self._idle:
-            if self._inflight:
-                self._idle.wait(timeout_s)
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Wait until no job is in flight."""

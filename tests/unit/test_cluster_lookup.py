@@ -12,9 +12,12 @@ import os
 import threading
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
+from kvtier.cluster.client import Fetched
 from kvtier.store import TieredStore
+from kvtier.tier.ssd import IoOps
 from kvtier.tools.server import poll_until
 from tests.unit.helpers import store_on_remote
 
@@ -102,3 +105,56 @@ def test_the_client_is_closed_when_no_call_runs(slow: tuple[TieredStore, SlowMas
     store, remote = slow
     store.close()
     assert remote.closed and not remote.closed_under_a_call
+
+
+class HeldFetch(SlowMaster):
+    """A master whose lookups find every key and whose fetches wait until released."""
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        return [True] * len(keys)
+
+    def fetch(self, keys, slots):  # noqa: ANN001, ANN201
+        self.release.wait(60)
+        return [Fetched.ERROR] * len(keys)
+
+
+class HeldWrites(IoOps):
+    def __init__(self) -> None:
+        self.writes = threading.Event()
+        self.writes.set()  # the tier's start writes its superblock
+
+    def pwritev(self, fd: int, buffers, offset: int) -> int:  # noqa: ANN001
+        assert self.writes.wait(60)
+        return super().pwritev(fd, buffers, offset)
+
+
+def test_a_wait_for_progress_ends_with_a_fetch_while_an_ssd_job_still_runs(make_tier, make_ssd) -> None:
+    """With both tiers, the scheduler's wait between lookups waited on the
+    SSD mover's jobs alone when it had some: a fetch that ended did not
+    wake it, and the request waited out the poll for nothing."""
+    io = HeldWrites()
+    ssd, _ = make_ssd(8, 4096, io=io)
+    remote = HeldFetch()
+    with store_on_remote(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), remote, remote.release.set,
+                         ssd=ssd) as store:
+        io.writes.clear()
+        store._mover.invalidate(np.array([0], dtype=np.int64))  # an SSD job, held at the disk
+        assert poll_until(lambda: store._mover.busy, 10)
+        assert store.promote([bytes(16)]) == 1  # found nowhere in the node: fetched from the cluster
+        cond = store._mover._idle
+        waiting = threading.Event()
+        wait = cond.wait
+
+        def watched(timeout: float | None = None) -> bool:
+            waiting.set()  # under the store's lock: the fetch cannot end before the wait begins
+            return wait(timeout)
+
+        cond.wait = watched  # type: ignore[method-assign]
+        waiter = threading.Thread(target=store.wait_progress, args=(60.0,), daemon=True)
+        waiter.start()
+        assert waiting.wait(30)
+        remote.release.set()  # the fetch ends; the SSD write is still held
+        waiter.join(30)
+        assert not waiter.is_alive() and store._mover.busy
+        io.writes.set()
+        assert store.wait_idle(30)
