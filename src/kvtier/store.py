@@ -98,7 +98,7 @@ from kvtier.movers import Fetched
 from kvtier.policy import EvictionPolicy, LruPolicy
 from kvtier.tier import DramTier
 from kvtier.tier.ssd import BlockRecord, Recovered, SsdLocation, SsdTier
-from kvtier.tier.ssd_index import SsdIndex, eviction_batch
+from kvtier.tier.ssd_index import SlotState, SsdIndex, eviction_batch
 
 _T = TypeVar("_T")
 _slot_of = operator.attrgetter("slot")
@@ -1247,23 +1247,48 @@ class TieredStore:
         that gets none (doomed, or no room) ends its demotion here."""
         begun = []
         for key in keys:
-            e = self._entries[key]
-            if e.doomed:  # reset (or found bad) since it was queued: nothing to write
-                self._finish_demotion_locked(key, ok=False, count=False)
-                continue
-            got = self._take_ssd_locked()
-            old = self._ssd_entries.get(key)
-            if got is None or (old is not None and not old.ready):
-                if got is not None:
-                    self._ssd_entries.release([got[0]], dirty=got[1])
-                self._finish_demotion_locked(key, ok=False)
-                continue
-            ssd_slot, reused = got
-            # WRITING: held, not readable. An older copy elsewhere is
-            # replaced; its slot is freed (dirty: its header names the key).
-            self._ssd_entries.begin_write(key, ssd_slot)
-            begun.append((key, e.slot, ssd_slot, reused))
+            got = None
+            try:
+                e = self._entries[key]
+                if e.doomed:  # reset (or found bad) since it was queued: nothing to write
+                    self._finish_demotion_locked(key, ok=False, count=False)
+                    continue
+                got = self._take_ssd_locked()
+                old = self._ssd_entries.get(key)
+                if got is None or (old is not None and not old.ready):
+                    if got is not None:
+                        (slot, dirty), got = got, None  # given back here, never twice
+                        self._ssd_entries.release([slot], dirty=dirty)
+                    self._finish_demotion_locked(key, ok=False)
+                    continue
+                ssd_slot, reused = got
+                # WRITING: held, not readable. An older copy elsewhere is
+                # replaced; its slot is freed (dirty: its header names the key).
+                self._ssd_entries.begin_write(key, ssd_slot)
+                begun.append((key, e.slot, ssd_slot, reused))
+            except Exception:  # noqa: BLE001 - a bug must not leave the batch's other keys demoting
+                log.exception("kvtier: starting the SSD write of a block failed; it stays in DRAM only")
+                self._abandon_demotion_locked(key, got)
         return begun
+
+    def _abandon_demotion_locked(self, key: bytes, got: tuple[int, bool] | None) -> None:
+        """Undo what a failed start of ``key``'s SSD write did: the slot it
+        took (``got``), and the entry's demoting mark. Each part on its own:
+        one failing leaves the others done."""
+        if got is not None:
+            try:
+                if self._ssd_entries.state(got[0]) >= SlotState.WRITING:
+                    self._ssd_entries.remove_slot(got[0], last=True)  # freed dirty: its header is unknown
+                else:
+                    self._ssd_entries.release([got[0]], dirty=got[1])
+            except Exception:  # noqa: BLE001
+                log.exception("kvtier: freeing the SSD slot of a failed write failed")
+        e = self._entries.get(key)
+        if e is not None and e.demoting:
+            try:
+                self._finish_demotion_locked(key, ok=False)
+            except Exception:  # noqa: BLE001
+                log.exception("kvtier: ending a failed SSD write failed")
 
     def _end_demotion_locked(self, key: bytes, ssd_slot: int, rec: BlockRecord | None, bad: bool) -> bool:
         """The write of ``key`` to ``ssd_slot`` ended, ``rec`` written (None:

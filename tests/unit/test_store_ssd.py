@@ -309,6 +309,39 @@ def test_a_bug_ending_one_block_s_move_leaves_the_batch_s_others_and_the_counts_
     assert store._mover.demoting == 0 and store.counters()["blocks_demoted"] > 4
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_bug_starting_one_block_s_write_leaves_the_others_and_every_ssd_slot_right(
+        make_store, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """An exception that is no I/O error (a bug) while one block's SSD write
+    is started under the lock, ``before`` or ``after`` its slot is marked
+    being written: the batch's other blocks are written, the failed one
+    stays in DRAM only and can be evicted, and no SSD slot is lost."""
+    store = make_store()
+    index = store._ssd_entries
+    real = index.begin_write
+
+    def begin_write(key: bytes, slot: int):
+        if key == KEYS[1]:
+            if when == "after":
+                real(key, slot)
+            raise RuntimeError("a bug starting the write of one block")
+        return real(key, slot)
+
+    monkeypatch.setattr(index, "begin_write", begin_write)
+    save_each(store, KEYS[:9])  # K0..K3 written to SSD in one batch, then evicted
+    assert store.wait_idle()
+    assert store._mover.demoting == 0
+    assert not any(e.demoting for e in store._entries.values())
+    assert KEYS[1] not in on_ssd(store, KEYS[:4]) and KEYS[0] in on_ssd(store, KEYS[:4])
+    monkeypatch.undo()
+    save_each(store, KEYS[9:20], first_step=9)  # K1 is evicted like any other block
+    assert store.wait_idle()
+    assert not store.contains(KEYS[1]) and store._mover.demoting == 0
+    # Every SSD slot is either free or holds a key: none is stuck being written, none lost.
+    assert len(index) + index._free_top == store.ssd.num_slots
+    assert all(index[k].ready for k in on_ssd(store, KEYS[:20]))
+
+
 def test_promote_counts_and_skips(make_store) -> None:
     store = make_store()
     save_each(store, KEYS[:9])
