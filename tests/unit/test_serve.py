@@ -207,6 +207,60 @@ def test_a_second_serve_on_a_folder_in_use_is_refused(tmp_path: Path) -> None:
         sup.wait()
 
 
+def test_a_serve_starting_holds_its_folder_before_the_meta_service_starts(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """From its first step, not once the meta service serves: a second
+    serve in that window is refused (it would take over the record), and
+    the record names the supervisor, for kvtier stop to signal."""
+    from kvtier.tools import serve as serve_mod
+
+    seen: list[str] = []
+    real_start = serve_mod.MetaProcess.start
+
+    def start(meta, stop=None):
+        procs = json.loads((tmp_path / STATE_FILE).read_text())["processes"]
+        seen.append(",".join(f"{p['role']}:{p['pid']}" for p in procs))
+        second = Serve("m", 1, tmp_path, out=lambda *_: None)
+        try:
+            with pytest.raises(ServerError, match="another kvtier serve is starting or running there"):
+                second.start()
+        finally:
+            second.stop()
+        assert (tmp_path / STATE_FILE).exists()  # the refused one leaves the first one's record
+        return real_start(meta, stop)
+
+    monkeypatch.setattr(serve_mod.MetaProcess, "start", start)
+    first = Serve("m", 1, tmp_path, out=lambda *_: None)
+    first.request_stop()  # stops the start once the meta service is up: no vLLM
+    try:
+        with pytest.raises(ServerError, match="interrupted"):
+            first.start()
+    finally:
+        first.stop()
+    assert seen == [f"supervisor:{os.getpid()}"]
+    assert not (tmp_path / STATE_FILE).exists()
+    later = Serve("m", 1, tmp_path, out=lambda *_: None)  # the folder is free again once it stopped
+    later._take_folder()
+    later.stop()
+
+
+def test_a_port_whose_connections_linger_in_time_wait_is_free_to_serve(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as vLLM's server (asyncio) binds
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()  # the server side closes first: its end lingers in TIME_WAIT
+        client.recv(1)
+        client.close()
+    s = Serve("m", 1, tmp_path / "logs", first_port=port, out=lambda *_: None)
+    s._check_ports()  # no "Address already in use"
+
+
 def test_processes_a_killed_supervisor_left_keep_their_folder(tmp_path: Path) -> None:
     """Its children run in sessions of their own and outlive it: a new
     serve on the folder would overwrite the record that names them."""

@@ -36,6 +36,7 @@ from kvtier.tools.server import (ServerError, exit_status, free_port, log_tail, 
                                  signal_pids, stop_group, vllm_shm_files)
 
 STATE_FILE = "serve.json"
+LOCK_FILE = "serve.lock"  # held by the supervisor while it runs (flock)
 # vLLM flags serve sets itself; given again, vLLM would take the last one
 # (logging only "Found duplicate keys").
 OWN_VLLM_FLAGS = {"--port": "--port", "--host": "--host", "--model": "--model",
@@ -246,6 +247,7 @@ class Serve:
         self.instances: list[Instance] = []
         self._stop = threading.Event()
         self._wrote = False  # the record in the log folder is this supervisor's
+        self._lock_fd: int | None = None  # LOCK_FILE, locked
 
     def _write_state(self) -> None:
         procs = [("supervisor", os.getpid())]
@@ -306,6 +308,9 @@ class Serve:
                 raise ServerError(f"--port {self.first_port} with --instances {self.n}: port {port} is past 65535")
             family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
             with socket.socket(family) as s:
+                # As servers bind: a port whose last connections linger in
+                # TIME_WAIT (an instance stopped a moment ago) is free to them.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((self.host if self.host not in ("",) else "0.0.0.0", port))
                 except OSError as err:
@@ -320,6 +325,7 @@ class Serve:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ServerError(f"--log-dir {self.log_dir}: {err.strerror}") from None
+        self._take_folder()
         running = recorded(self.log_dir)
         if running:
             # A supervisor, or processes a killed one left (they run in
@@ -328,6 +334,7 @@ class Serve:
             what = "kvtier serve" if any(p["role"] == "supervisor" for p in running) else "processes of a kvtier serve"
             raise ServerError(f"--log-dir {self.log_dir}: {what} already runs there: {who}; "
                               f"stop it (kvtier stop --log-dir {self.log_dir}) or choose another folder")
+        self._write_state()  # the supervisor, before anything starts: kvtier stop finds it from now on
         self._check_ports()
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
         self.meta = MetaProcess(meta_conf, local_conf, log_path=self.log_dir / "meta.log",
@@ -378,6 +385,27 @@ class Serve:
                 (self.log_dir / STATE_FILE).unlink()
             except OSError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _take_folder(self) -> None:
+        """Lock the log folder for this supervisor's life: a second serve
+        starting on it at the same time would take over its record."""
+        import fcntl
+
+        path = self.log_dir / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            raise ServerError(f"{path}: {err.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ServerError(f"--log-dir {self.log_dir}: another kvtier serve is starting or running there; stop "
+                              f"it (kvtier stop --log-dir {self.log_dir}) or choose another folder") from None
+        self._lock_fd = fd
 
 
 def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm_args: list[str],
