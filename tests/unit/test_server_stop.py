@@ -8,12 +8,15 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from kvtier.tools.serve import STATE_FILE, process_start_time, stop
-from kvtier.tools.server import exit_status, session_pids, stop_group, vllm_shm_files, wait_exit
+from kvtier.tools.meta import MetaProcess
+from kvtier.tools.server import (ServerError, VllmServer, exit_status, poll_until, session_pids, stop_group,
+                                 vllm_shm_files, wait_exit)
 
 # A stand-in for vLLM's process tree: the leader and a child in its session
 # each create and map files in /dev/shm, as vLLM's queues and CPU ranks do,
@@ -112,3 +115,55 @@ def test_a_dead_leader_is_not_reaped_before_its_session_is_stopped() -> None:
     assert Path(f"/proc/{p.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
     assert stop_group(p, signal.SIGINT, timeout_s=5, grace_s=0.5) == 4
     assert p.returncode == 4  # reaped now, its session looked up first
+
+
+class _StandIn:
+    """Server options whose command is a stand-in for vLLM: ``code`` run by Python."""
+
+    def __init__(self, code: str) -> None:
+        self.code, self.env = code, {}
+
+    def argv(self, port: int) -> list[str]:
+        return [sys.executable, "-c", self.code]
+
+
+def _interrupt_once_started(get_proc) -> threading.Thread:
+    """Ctrl-C to this process once ``get_proc()`` names a started child."""
+    def run() -> None:
+        assert poll_until(lambda: get_proc() is not None, 60, 0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("what", ["vllm", "meta"])
+def test_ctrl_c_while_a_server_starts_stops_it(tmp_path: Path, what: str) -> None:
+    """The server runs in a session of its own, so the terminal's Ctrl-C
+    reaches only the caller, as KeyboardInterrupt inside the wait for it
+    to serve: the server is stopped and reaped, not left running."""
+    never_ready = "import time; print('up', flush=True); time.sleep(300)"
+    if what == "vllm":
+        srv = VllmServer(_StandIn(never_ready), log_path=tmp_path / "vllm.log", port=1, startup_timeout_s=120)
+    else:
+        srv = MetaProcess(tmp_path / "none.conf", log_path=tmp_path / "meta.log", startup_timeout_s=120,
+                          prefix=[sys.executable, "-c", never_ready])
+    t = _interrupt_once_started(lambda: srv.proc)
+    with pytest.raises(KeyboardInterrupt):
+        srv.start()
+    t.join()
+    assert srv.proc is not None and srv.proc.returncode is not None  # stopped, and reaped
+    assert session_pids(srv.proc.pid) == []
+
+
+@pytest.mark.parametrize("what", ["vllm", "meta"])
+def test_a_server_that_exits_during_start_up_is_reaped(tmp_path: Path, what: str) -> None:
+    exits = "import sys; sys.exit(3)"
+    if what == "vllm":
+        srv = VllmServer(_StandIn(exits), log_path=tmp_path / "vllm.log", port=1)
+    else:
+        srv = MetaProcess(tmp_path / "none.conf", log_path=tmp_path / "meta.log", prefix=[sys.executable, "-c", exits])
+    with pytest.raises(ServerError, match="exited with 3 during start-up"):
+        srv.start()
+    assert srv.proc is not None and srv.proc.returncode == 3

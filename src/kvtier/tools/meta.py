@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.tools.server import ServerError, exit_status, log_tail, stop_group, wait_exit
+from kvtier.tools.server import ServerError, exit_status, log_tail, stop_group, temp_log, wait_exit
 
 
 class MetaProcess:
@@ -31,7 +31,7 @@ class MetaProcess:
                  prefix: list[str] | None = None) -> None:
         self.meta_config = str(meta_config)
         self.local_config = str(local_config or meta_config)
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="kvtier-meta-", suffix=".log")[1])
+        self.log_path = Path(log_path) if log_path else temp_log("kvtier-meta-")
         self.startup_timeout_s = startup_timeout_s
         self.env = env or {}
         self.args = list(args or [])  # more arguments of ``kvtier meta`` (``--role local``)
@@ -60,7 +60,6 @@ class MetaProcess:
             deadline = time.monotonic() + self.startup_timeout_s
             while time.monotonic() < deadline:
                 if stop is not None and stop.is_set():
-                    self.stop()
                     raise ServerError("interrupted while the meta service started")
                 if (rc := exit_status(self.proc)) is not None:
                     raise ServerError(f"kvtier meta exited with {rc} during start-up; "
@@ -69,8 +68,10 @@ class MetaProcess:
                     self.address, self.metrics_url = ready.read_text().splitlines()
                     return self
                 time.sleep(0.1)
-            self.stop()
             raise ServerError(f"kvtier meta not ready after {self.startup_timeout_s}s; log {self.log_path}")
+        except BaseException:
+            self.stop()  # Ctrl-C without a ``stop`` event, or a failed start: nothing left running, it is reaped
+            raise
         finally:  # the ready file's folder goes, whatever the start came to
             shutil.rmtree(ready.parent, ignore_errors=True)
 
@@ -86,6 +87,8 @@ class MetaProcess:
     def stop(self) -> int | None:
         """Stop the service's session (again: its status, nothing signalled)."""
         if self.proc is None:
+            if hasattr(self, "_log"):
+                self._log.close()
             return None
         if self.proc.returncode is not None:
             return self.proc.returncode

@@ -220,6 +220,13 @@ def remove_files(paths: set[str]) -> None:
             pass
 
 
+def temp_log(prefix: str) -> Path:
+    """A new empty log file in the temporary folder (its descriptor closed)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
 def log_tail(path: str | Path, lines: int = 40) -> str:
     """The last ``lines`` lines of a log file ("(no log)" if it cannot be read)."""
     try:
@@ -234,7 +241,7 @@ class VllmServer:
         self.options = options
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        self.log_path = Path(log_path) if log_path else temp_log("vllm-")
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.shm_files: set[str] = set()  # vLLM's segments its processes mapped (for stop)
@@ -261,10 +268,17 @@ class VllmServer:
     def start(self) -> VllmServer:
         env = self.environment()
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.options.argv(self.port), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        self._wait_ready()
-        self.shm_files = vllm_shm_files(session_pids(self.proc.pid))  # for a stop after a kill -9
+        try:
+            self.proc = subprocess.Popen(self.options.argv(self.port), stdout=self._log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+            self._wait_ready()
+            self.shm_files = vllm_shm_files(session_pids(self.proc.pid))  # for a stop after a kill -9
+        except BaseException:
+            # Ctrl-C during the wait (vLLM's session does not get the
+            # terminal's SIGINT), or a start that failed: nothing is left
+            # running, and an exited server is reaped.
+            self.stop()
+            raise
         return self
 
     def _wait_ready(self) -> None:
@@ -279,7 +293,6 @@ class VllmServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise ServerError(f"vLLM not ready after {self.startup_timeout_s}s; log {self.log_path}:\n{self.log_tail()}")
 
     def wait_exit(self, timeout_s: float) -> int | None:
@@ -287,10 +300,10 @@ class VllmServer:
         return wait_exit(self.proc, timeout_s)
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        stop_group(self.proc, signal.SIGINT, files=self.shm_files)
-        self._log.close()
+        if self.proc is not None:
+            stop_group(self.proc, signal.SIGINT, files=self.shm_files)
+        if hasattr(self, "_log"):
+            self._log.close()
 
     def kill(self) -> None:
         """SIGKILL to every process of the server at once (a crash), after
