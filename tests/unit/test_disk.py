@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import errno
 import os
 import shutil
 import subprocess
@@ -138,6 +139,44 @@ def test_release_deletes_a_file_only_when_asked(tmp_path: Path) -> None:
     assert os.path.exists(path)
     assert release(path, delete=True) == [f"deleted {path}"]
     assert not os.path.exists(path)
+
+
+def test_release_deletes_only_what_is_kvtiers(tmp_path: Path) -> None:
+    """Someone's file given to release --delete (a typo, the wrong folder)
+    is refused and stays; missing paths and folders are one line."""
+    notes = tmp_path / "notes.db"
+    notes.write_bytes(b"someone's data" * 1000)
+    with pytest.raises(ConfigError, match="holds data that is not kvtier's; not deleted"):
+        release(str(notes), delete=True)
+    assert notes.read_bytes() == b"someone's data" * 1000
+    used = str(tmp_path / "used.img")  # prepared, then formatted by the SSD tier
+    prepare(used, 4 * MiB)
+    tier, _ = SsdTier.open([used], None, 4096)
+    tier.close()
+    assert release(used, delete=True) == [f"deleted {used}"]
+    with pytest.raises(ConfigError, match="No such file"):
+        release(str(tmp_path / "missing.img"), delete=True)
+    with pytest.raises(ConfigError, match="not a regular file or a loop device"):
+        release(str(tmp_path), delete=True)
+
+
+def test_a_prepare_that_fails_leaves_no_file_it_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "kv.img"
+    with pytest.raises(ConfigError, match="its folder .*No such file"):
+        prepare(str(tmp_path / "no-folder" / "kv.img"), MiB)
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)  # the disk fills meanwhile
+    with pytest.raises(OSError, match="No space"):
+        prepare(str(path), MiB)
+    assert not path.exists()
+    mine = tmp_path / "mine.img"
+    mine.write_bytes(b"x" * MiB)
+    with pytest.raises(OSError, match="No space"):
+        prepare(str(mine), MiB, force=True)
+    assert mine.exists()  # --force on a file it did not make: left in place
 
 
 def _loop_devices_work() -> bool:

@@ -84,29 +84,41 @@ def prepare(path: str, size_bytes: int, loop: bool = False, force: bool = False)
             return path
     if size <= 0:
         raise ConfigError("--size", size_bytes, "a file needs a size of at least one page (e.g. 64GB)")
+    if loop and os.geteuid() != 0:  # before anything is written
+        raise ConfigError("--loop", path, "attaching a loop device needs root")
+    if loop and shutil.which("losetup") is None:
+        raise ConfigError("--loop", path, "losetup is not installed (package util-linux)")
     parent = os.path.dirname(os.path.abspath(path)) or "."
-    free = shutil.disk_usage(parent).free
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError as err:
+        raise ConfigError("path", path, f"its folder {parent}: {err.strerror}") from None
     existing = os.path.getsize(path) if os.path.exists(path) else 0
     if size - existing > free:
         raise ConfigError("size", size, f"larger than the {free} bytes free in {parent}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    made = not os.path.exists(path)  # else: --force on an existing file
     try:
-        os.posix_fallocate(fd, 0, size)
-        _zero_sniffed(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-    if not loop:
-        return path
-    if os.geteuid() != 0:
-        raise ConfigError("--loop", path, "attaching a loop device needs root")
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if made else 0), 0o600)
+    except OSError as err:
+        raise ConfigError("path", path, err.strerror or str(err)) from None
     try:
-        out = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", path], check=True,
-                             capture_output=True, text=True)
-    except FileNotFoundError:
-        raise ConfigError("--loop", path, "losetup is not installed (package util-linux)") from None
-    except subprocess.CalledProcessError as err:
-        raise ConfigError("--loop", path, f"losetup failed: {err.stderr.strip()}") from None
-    return out.stdout.strip()
+        try:
+            os.posix_fallocate(fd, 0, size)
+            _zero_sniffed(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if not loop:
+            return path
+        try:
+            out = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", path], check=True,
+                                 capture_output=True, text=True)
+        except subprocess.CalledProcessError as err:
+            raise ConfigError("--loop", path, f"losetup failed: {err.stderr.strip()}") from None
+        return out.stdout.strip()
+    except BaseException:
+        if made:  # a failed prepare leaves no file it made (a 64 GB one, pre-allocated)
+            os.unlink(path)
+        raise
 
 
 def _zero_sniffed(fd: int, size: int) -> None:
@@ -165,17 +177,10 @@ def check(path: str, bench_bytes: int = 256 << 20) -> DiskReport:
         return rep
     try:
         rep.size_bytes = device_size(fd)
-        buf = mmap.mmap(-1, _CHUNK)
         # The tier formats only zeros or its own superblock: anything else is
         # someone's data, and the server would refuse to start on it.
-        rep.direct_io, foreign = True, False
-        for i, (off, want) in enumerate(sniff_ranges(rep.size_bytes)):
-            n = os.preadv(fd, [memoryview(buf)[:want]], off)
-            rep.direct_io = rep.direct_io and n == want
-            if i == 0 and n >= 8 and buf[:8] == SUPER_MAGIC:
-                break
-            foreign = foreign or (n == want and buf[:want].count(0) != want)
-        if foreign:
+        holds, rep.direct_io = _holds(fd, rep.size_bytes)
+        if holds == "foreign":
             rep.problems.append("holds data that is not kvtier's (the SSD tier refuses it); "
                                 f"kvtier disk prepare --force {path} overwrites it")
     except OSError as err:
@@ -193,6 +198,21 @@ def check(path: str, bench_bytes: int = 256 << 20) -> DiskReport:
         except OSError as err:
             rep.problems.append(f"bandwidth test failed: {err.strerror or err}")
     return rep
+
+
+def _holds(fd: int, size: int) -> tuple[str, bool]:
+    """What the path open at ``fd`` (``size`` bytes) holds where the SSD
+    tier looks: "kvtier" (its superblock), "zeros" or "foreign" (someone's
+    data); and whether every read was whole (a short one counts as zeros)."""
+    buf = mmap.mmap(-1, _CHUNK)  # page-aligned: ``fd`` may be open with O_DIRECT
+    whole, foreign = True, False
+    for i, (off, want) in enumerate(sniff_ranges(size)):
+        n = os.preadv(fd, [memoryview(buf)[:want]], off)
+        whole = whole and n == want
+        if i == 0 and n >= 8 and buf[:8] == SUPER_MAGIC:
+            return "kvtier", whole
+        foreign = foreign or (n == want and buf[:want].count(0) != want)
+    return ("foreign" if foreign else "zeros"), whole
 
 
 class _Taken(Exception):
@@ -243,8 +263,18 @@ def _bandwidth(path: str, st: os.stat_result, size: int, bench_bytes: int) -> tu
 def release(path: str, delete: bool = False) -> list[str]:
     """Detach a loop device (and with ``delete`` remove its backing file), or
     remove a regular file with ``delete``. Refuses while anything holds it.
-    Returns what was done, one line each."""
-    st = os.stat(path)
+    Returns what was done, one line each.
+
+    Only a file that holds kvtier's SSD tier (its superblock) or zeros
+    where the tier looks (a file ``prepare`` made and nothing used) is
+    deleted: anything else is someone's data, left for its owner to remove.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise ConfigError("path", path, err.strerror or str(err)) from None
+    if not (stat.S_ISBLK(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise ConfigError("path", path, "not a regular file or a loop device: nothing to release")
     why = _exclusive(path, st)
     if why:
         raise ConfigError("path", path, f"in use, not released: {why}")
@@ -256,14 +286,39 @@ def release(path: str, delete: bool = False) -> list[str]:
             raise ConfigError("path", path, "not a loop device: nothing to release")
         with open(backing_file) as f:
             backing = f.read().strip()
-        subprocess.run(["losetup", "-d", path], check=True)
+        if delete:
+            _check_own(backing, f"backing {path}")  # before the detach: a refusal changes nothing
+        try:
+            subprocess.run(["losetup", "-d", path], check=True, capture_output=True, text=True)
+        except FileNotFoundError:
+            raise ConfigError("path", path, "losetup is not installed (package util-linux)") from None
+        except subprocess.CalledProcessError as err:
+            raise ConfigError("path", path, f"losetup -d failed: {err.stderr.strip()}") from None
         done.append(f"detached {path} from {backing}")
         if delete:
             os.unlink(backing)
             done.append(f"deleted {backing}")
     elif delete:
+        _check_own(path)
         os.unlink(path)
         done.append(f"deleted {path}")
     else:
         done.append(f"{path} is a file: nothing to detach (--delete removes it)")
     return done
+
+
+def _check_own(path: str, what: str = "") -> None:
+    """ConfigError unless the regular file ``path`` holds kvtier's SSD tier or zeros."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as err:
+        raise ConfigError("path", path, f"{what + ': ' if what else ''}{err.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        holds = _holds(fd, st.st_size)[0] if stat.S_ISREG(st.st_mode) else "not a regular file"
+    finally:
+        os.close(fd)
+    if holds not in ("kvtier", "zeros"):
+        why = "holds data that is not kvtier's" if holds == "foreign" else holds
+        raise ConfigError("path", path, f"{what + ': ' if what else ''}{why}; not deleted (remove it yourself "
+                                        "if it is to go)")
