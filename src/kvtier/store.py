@@ -784,7 +784,11 @@ class TieredStore:
                 unpinned += len(keys)
             self._progress.pop(owner, None)
             free_before = len(self._free)
-            dropped = sum(self._drop_pending(owner, s, keys)
+            # Held slots keep naming their key (unpublished, no rank ready):
+            # a service that restarts within the hold and adopts the arena
+            # then holds them too (DramTier.written_slots), instead of
+            # handing them to a new writer while the late one may still write.
+            dropped = sum(self._drop_pending(owner, s, keys, keep_key=hold_until is not None)
                           for s, keys in self._pending.pop(owner, {}).items())
             if hold_until is not None and dropped:
                 # _drop appended the slots last: move them to the held list.
@@ -875,12 +879,12 @@ class TieredStore:
             return None
         return e
 
-    def _drop_pending(self, owner: int, step: int, keys: list[bytes]) -> int:
+    def _drop_pending(self, owner: int, step: int, keys: list[bytes], keep_key: bool = False) -> int:
         n = 0
         for key in keys:
             e = self._own_pending(key, owner, step)
             if e is not None:
-                self._drop(key, e)
+                self._drop(key, e, keep_key)
                 n += 1
         return n
 
@@ -1174,12 +1178,17 @@ class TieredStore:
         if self._publish_on_evict and self._cluster is not None and not (self._in_cluster(e) or e.doomed):
             self._c.cluster_publish_skipped += 1
 
-    def _drop(self, key: bytes, e: _Entry) -> None:
+    def _drop(self, key: bytes, e: _Entry, keep_key: bool = False) -> None:
+        """Forget ``key``; its slot goes last on the free list, its header
+        cleared (``keep_key``: still naming ``key``, unreadable)."""
         del self._entries[key]
         self._odd.discard(key)
         self._policy.remove(key)
         self._dirty.remove(key)
-        self.tier.clear(e.slot)
+        if keep_key:
+            self.tier.clear(e.slot, key)
+        else:
+            self.tier.clear(e.slot)
         self._free.append(e.slot)
 
     # --- SSD room ---------------------------------------------------------

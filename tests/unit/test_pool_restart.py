@@ -108,6 +108,40 @@ def test_a_restarted_service_adopts_the_blocks_that_verify_and_nothing_else(tmp_
     assert not any((tmp_path / "shm").iterdir())  # a clean stop removes the arena
 
 
+def test_slots_held_for_a_gone_instance_stay_held_across_a_restart(tmp_path: Path) -> None:
+    """An instance whose session ended with saves unwritten: its slots are
+    held, since its workers may still write into them. The hold was the
+    dead service's memory alone and their headers were cleared, so a
+    restart within it handed them to new writers, and a late write could
+    mix into (and be sealed as part of) another instance's block."""
+    conf = configs(tmp_path)
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    a = b = None
+    try:
+        a = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="a")
+        late = list(a.prepare_save(keys(7, 3), step=1))
+        assert None not in late
+        a.shutdown()  # gone, its workers maybe still copying
+        health = lambda: httpx.get(meta.metrics_url + "/health", timeout=5).json()  # noqa: E731
+        deadline = time.monotonic() + 20
+        while health()["slots"]["held"] != 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert health()["slots"]["held"] == 3
+        meta.kill()
+        meta.start()
+        b = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="b")
+        assert b.arena_path == a.arena_path  # adopted
+        assert health()["slots"]["held"] == 3
+        free = health()["slots"]["free"]
+        given = b.prepare_save(keys(8, free), step=1)
+        assert given.placed == free and not set(late) & set(given)
+    finally:
+        for placement in (a, b):
+            if placement is not None:
+                placement.shutdown()
+        meta.stop()
+
+
 def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(tmp_path: Path) -> None:
     conf = configs(tmp_path)
     meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
