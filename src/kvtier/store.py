@@ -1317,14 +1317,15 @@ class TieredStore:
             self._ssd_entries.publish(ssd_slot, rec.checksum, rec.seq)
         else:
             # Freed dirty: a header may have reached the disk. Taken last
-            # from now on: the write may have failed on this slot's sectors.
-            self._ssd_entries.remove_slot(ssd_slot, last=True)
+            # from now on when the write failed: it may have failed on this
+            # slot's sectors (a block found bad in DRAM was not written).
+            self._ssd_entries.remove_slot(ssd_slot, last=not bad)
         if bad:
             self._c.corrupt_dram += 1
             e.doomed = True
             self._odd.add(key)
             self.tier.publish(e.slot, False)
-        self._finish_demotion_locked(key, rec is not None, count=not stale)
+        self._finish_demotion_locked(key, rec is not None, count=not stale and not bad)  # bad: counted above
         return stale
 
     def _finish_demotion_locked(self, key: bytes, ok: bool, count: bool = True) -> None:

@@ -149,6 +149,24 @@ def test_removed_slots_come_back_dirty_and_are_reused_first() -> None:
     assert index.take() is None
 
 
+def test_slots_whose_write_failed_are_taken_after_every_other_in_the_order_they_failed() -> None:
+    index = SsdIndex(6)
+    slots = [put(index, K(i)) for i in range(4)]  # 0..3; 4 and 5 free
+    index.remove_slot(slots[2], last=True)
+    index.remove_slot(slots[0], last=True)
+    index.remove(K(1))  # freed as usual: reused first
+    assert index.free_count == 5 and len(index) == 1
+    assert [index.take() for _ in range(5)] == [(1, True), (4, False), (5, False), (2, True), (0, True)]
+    assert index.take() is None and index.free_count == 0
+    index.release([2, 0, 1], dirty=True)
+    index.remove_slot(slots[3], last=True)
+    # A reset empties the headers of every dirty slot, those taken last too.
+    assert sorted(index.take_dirty().tolist()) == [0, 1, 2, 3]
+    assert index.free_count == 0
+    index.release([0, 1, 2, 3], dirty=False)
+    assert index.free_count == 4
+
+
 def test_writing_a_key_again_frees_its_older_slot_dirty() -> None:
     index = SsdIndex(4)
     first = put(index, K(1))

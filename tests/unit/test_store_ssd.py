@@ -309,6 +309,19 @@ def test_a_bug_ending_one_block_s_move_leaves_the_batch_s_others_and_the_counts_
     assert store._mover.demoting == 0 and store.counters()["blocks_demoted"] > 4
 
 
+def test_a_block_gone_bad_in_dram_is_not_written_and_counts_as_corrupt_not_as_a_failed_write(make_store) -> None:
+    store = make_store()
+    [slot] = save(store, [KEYS[0]], step=0)
+    store.tier.rank_view(slot, 0)[5] ^= 0xFF  # after its seal: fails its checksum
+    save_each(store, KEYS[1:9], first_step=1)  # K0..K3 demoted in one batch
+    assert store.wait_idle()
+    c = store.counters()
+    assert (c["corrupt_blocks"], c["demote_failures"]) == (1, 0)
+    assert KEYS[0] not in on_ssd(store, KEYS[:4]) and not store.contains(KEYS[0])
+    assert KEYS[0] not in store._ssd_entries and all(k in store._ssd_entries for k in KEYS[1:4])
+    assert not store._ssd_entries._last  # nothing was written to its SSD slot: not taken last
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_bug_starting_one_block_s_write_leaves_the_others_and_every_ssd_slot_right(
         make_store, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
@@ -338,7 +351,7 @@ def test_a_bug_starting_one_block_s_write_leaves_the_others_and_every_ssd_slot_r
     assert store.wait_idle()
     assert not store.contains(KEYS[1]) and store._mover.demoting == 0
     # Every SSD slot is either free or holds a key: none is stuck being written, none lost.
-    assert len(index) + index._free_top == store.ssd.num_slots
+    assert len(index) + index.free_count == store.ssd.num_slots
     assert all(index[k].ready for k in on_ssd(store, KEYS[:20]))
 
 

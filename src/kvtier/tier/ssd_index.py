@@ -46,6 +46,7 @@ slots whose headers an invalidation emptied (or failed to).
 
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Callable, Iterable, Sequence
 
@@ -148,6 +149,9 @@ class SsdIndex:
         self._free = np.zeros(n, dtype=np.int32)
         self._free[:num_slots] = np.arange(num_slots - 1, -1, -1)  # popped from the end: slot 0 first
         self._free_top = num_slots
+        # Slots whose write failed, taken only once the stack is empty (a bad
+        # sector taken again by every next batch would fail them all).
+        self._last: collections.deque[int] = collections.deque()
         size = 8
         while size * 3 < n * 4:  # at most 3/4 full
             size *= 2
@@ -395,10 +399,13 @@ class SsdIndex:
 
         The slot belongs to the caller until :meth:`begin_write` or :meth:`release`.
         """
-        if not self._free_top:
+        if self._free_top:
+            self._free_top -= 1
+            slot = self._fr[self._free_top]
+        elif self._last:
+            slot = self._last.popleft()  # the one that failed longest ago
+        else:
             return None
-        self._free_top -= 1
-        slot = self._fr[self._free_top]
         dirty = self._st[slot] == _DIRTY
         self._st[slot] = _FREE
         return slot, dirty
@@ -451,10 +458,12 @@ class SsdIndex:
         got = self.remove(self.key(slot), dirty, free=free and not last)
         assert got == slot
         if free and last:
-            top = self._free_top
-            self._free[1 : top + 1] = self._free[0:top].copy()
-            self._free[0] = slot
-            self._free_top = top + 1
+            self._last.append(slot)
+
+    @property
+    def free_count(self) -> int:
+        """Slots free to take (with those taken last)."""
+        return self._free_top + len(self._last)
 
     def release(self, slots: Iterable[int] | np.ndarray, dirty: bool) -> None:
         """Return slots that hold no key (taken and not used, or emptied by an
@@ -478,6 +487,13 @@ class SsdIndex:
         on disk naming its old block), for the caller to empty those headers
         and :meth:`release` the slots: a reset must not leave old blocks that
         a restart would recover."""
+        if self._last:  # back on the stack, bottom first, as the stack would have held them
+            last = np.fromiter(self._last, dtype=np.int32, count=len(self._last))[::-1]
+            self._last.clear()
+            top = self._free_top
+            self._free[last.size : top + last.size] = self._free[:top].copy()
+            self._free[: last.size] = last
+            self._free_top = top + last.size
         top = self._free_top
         stack = self._free[:top]
         dirty = self._state[stack] == _DIRTY
