@@ -229,8 +229,15 @@ class TierMover(_Jobs):
                 raise
             self.demoting -= len(keys) - len(begun)
             for key, slot, ssd_slot, reused in begun:
-                plan.append((key, slot, ssd.location(ssd_slot), BlockRecord(key, ssd.next_seq(), 0), reused))
-                dram_sums[key] = tier.header(slot).checksums
+                try:
+                    plan.append((key, slot, ssd.location(ssd_slot), BlockRecord(key, ssd.next_seq(), 0), reused))
+                    dram_sums[key] = tier.header(slot).checksums
+                except Exception:  # noqa: BLE001 - a bug: this block is not written, the others are
+                    log.exception("kvtier: planning the SSD write of a block failed")
+                    if plan and plan[-1][0] == key:
+                        plan.pop()
+                    self.demoting -= 1
+                    self._host._abandon_demotion_locked(key, (ssd_slot, reused))
         if not plan:
             return
         items = []
@@ -707,6 +714,10 @@ class ClusterMover(_Jobs):
             self._down(err)
             return 0
         except RuntimeError:  # closed meanwhile
+            return 0
+        except Exception as err:  # noqa: BLE001 - an answer not understood: down, as for any failed call
+            log.exception("kvtier cluster: a lookup failed")
+            self._down(err)
             return 0
         n = 0
         for hit in found:

@@ -107,6 +107,20 @@ def test_the_client_is_closed_when_no_call_runs(slow: tuple[TieredStore, SlowMas
     assert remote.closed and not remote.closed_under_a_call
 
 
+class GarbledMaster(SlowMaster):
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        raise TypeError("an answer of another shape (a binding of another version)")
+
+
+def test_a_lookup_that_fails_in_an_unforeseen_way_is_a_miss_and_marks_the_cluster_down(make_tier) -> None:
+    remote = GarbledMaster()
+    with store_on_remote(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), remote, remote.release.set,
+                         cluster_timeout_s=5) as store:
+        assert poll_until(lambda: store.cluster.up, 10)
+        assert store.probe([os.urandom(16)]).total == 0  # no exception into the scheduler
+        assert store.counters()["cluster_down"] >= 1
+
+
 class HeldFetch(SlowMaster):
     """A master whose lookups find every key and whose fetches wait until released."""
 
