@@ -145,6 +145,43 @@ def test_a_reply_trickled_slower_than_the_timeout_is_a_miss_not_a_stall(make_tie
         t.join(10)
 
 
+class _SlowReplies:
+    """The client's socket, its reads delayed by ``delay_s`` while ``slow``
+    (a service slow to answer), each send's timeout recorded."""
+
+    def __init__(self, sock: socket.socket, delay_s: float) -> None:
+        self._s, self.delay_s, self.slow, self.send_timeouts = sock, delay_s, False, []
+
+    def recv(self, *args: object) -> bytes:
+        if self.slow:
+            self.slow = False
+            time.sleep(self.delay_s)
+        return self._s.recv(*args)  # type: ignore[arg-type]
+
+    def sendall(self, data: bytes) -> None:
+        self.send_timeouts.append(self._s.gettimeout())
+        self._s.sendall(data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._s, name)
+
+
+def test_a_slow_answer_does_not_shorten_the_next_call_s_send(service: MetaService) -> None:
+    """The socket kept what was left of the last answer's deadline as its
+    timeout: a send right after an answer that took most of timeout_s had
+    a fraction of it, and a briefly full buffer dropped the session (its
+    pins and saves with it)."""
+    c = client(service, timeout_s=1.0)
+    assert c.probe(keys(71, 1)) == Probe(0, 0)
+    slow = _SlowReplies(c._sock, delay_s=0.8)  # type: ignore[arg-type]
+    c._sock = slow  # type: ignore[assignment]
+    slow.slow = True
+    assert c.probe(keys(71, 1)) == Probe(0, 0)  # answered within its timeout, late
+    assert c.probe(keys(72, 1)) == Probe(0, 0)
+    assert c.stalls == 0 and len(slow.send_timeouts) == 2
+    assert slow.send_timeouts[1] > 0.5  # the next call's whole budget, not the 0.2 s the last one left
+
+
 def test_a_block_saved_by_one_instance_is_found_and_pinned_by_another(service: MetaService) -> None:
     a, b = client(service, name="a"), client(service, name="b")
     ks = keys(1, 5)

@@ -241,19 +241,22 @@ class PoolPlacement:
             if self._sock is None:  # down: the client's thread reconnects
                 self.failures += 1
                 return None
+            # The whole call within timeout_s, sends and the answer: a
+            # service that reads slowly, or trickles its replies, must not
+            # hold the engine longer.
+            deadline = time.monotonic() + self.timeout_s
             try:
                 assert self._sock is not None
+                wire.time_left(self._sock, deadline)
                 self._send_deferred_locked()
                 mid = self._next_id
                 self._next_id += 1
                 msg.id = mid  # type: ignore[attr-defined]
+                wire.time_left(self._sock, deadline)
                 self._sock.sendall(wire.encode(msg))
                 if not wait and len(self._unanswered) < UNANSWERED_MAX:
                     self._unanswered.append((mid, type(msg).__name__))
                     return None
-                # The whole answer within timeout_s, not each read: a service
-                # trickling its replies must not hold the engine longer.
-                deadline = time.monotonic() + self.timeout_s
                 while True:
                     body = wire.recv_frame(self._sock, deadline=deadline)
                     if body is None:
@@ -290,6 +293,7 @@ class PoolPlacement:
                 # while the ping thread waited): sent now, not at the next
                 # call, which may be a lease's third away on an idle engine.
                 try:
+                    self._sock.settimeout(self.timeout_s)  # not what the call's deadline left
                     self._send_deferred_locked()
                 except OSError as err:
                     self._drop_locked(err)

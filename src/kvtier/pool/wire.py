@@ -298,10 +298,11 @@ def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME, deadline: float 
     return body
 
 
-def _time_left(sock: socket.socket, deadline: float) -> None:
+def time_left(sock: socket.socket, deadline: float) -> None:
+    """``sock``'s timeout: what is left until ``deadline``; TimeoutError if nothing is."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError("the frame did not arrive in time")
+        raise TimeoutError("the call did not end in time")
     sock.settimeout(left)
 
 
@@ -309,7 +310,7 @@ def _recv_exact(sock: socket.socket, n: int, allow_eof: bool, deadline: float | 
     # One call for the whole frame in the common case (a probe of 4,096 keys
     # is a 64 KiB frame): no chunks joined, no second copy.
     if deadline is not None:
-        _time_left(sock, deadline)
+        time_left(sock, deadline)
     first = sock.recv(n, socket.MSG_WAITALL)
     if len(first) == n:
         return first
@@ -318,7 +319,7 @@ def _recv_exact(sock: socket.socket, n: int, allow_eof: bool, deadline: float | 
     buf = bytearray(first)
     while len(buf) < n:
         if deadline is not None:
-            _time_left(sock, deadline)
+            time_left(sock, deadline)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             if allow_eof and not buf:
