@@ -406,6 +406,17 @@ def test_token_is_required_when_set(tmp_path: Path) -> None:
         svc.stop()
 
 
+@pytest.mark.parametrize(("url", "token", "warned"), [
+    ("tcp://0.0.0.0:0", None, True), ("tcp://0.0.0.0:0", "t0ken", False), ("tcp://127.0.0.1:0", None, False),
+    ("tcp://localhost:0", None, False)])
+def test_listening_beyond_loopback_without_a_token_is_warned_of(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                 url: str, token: str | None, warned: bool) -> None:
+    with caplog.at_level("WARNING", logger="kvtier"):
+        svc = start(tmp_path, url=url, token=token)
+        svc.stop()
+    assert ("beyond loopback, without a token" in caplog.text) == warned
+
+
 def test_another_block_geometry_is_refused_with_a_reason(service: MetaService) -> None:
     client(service)
     with pytest.raises(PoolRefused) as err:

@@ -33,6 +33,7 @@ thread per connection, sessions and their leases, and the pool's creation.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -241,6 +242,10 @@ class MetaService:
                 sock.close()
                 raise ConfigError("meta_service_url", self.opts.url, f"cannot listen there: {err.strerror}") \
                     from None
+            if not self.opts.token and not _loopback(str(host)):
+                log.warning("kvtier meta: listening on %s, beyond loopback, without a token: any host that "
+                            "reaches it can open sessions (probe, pin, save, discard); set kvtier.token (or "
+                            "KVTIER_TOKEN) for the service and its instances", self.opts.url)
         sock.listen(64)
         self._sock = sock
         self._spawn(self._accept_loop, "kvtier-meta-accept")
@@ -744,6 +749,14 @@ def _send(conn: socket.socket, msg: msgspec.Struct) -> None:
         conn.sendall(wire.encode(msg))
     except OSError:
         pass
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or a name) is this machine's loopback only."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _socket_dead(path: str) -> bool:
