@@ -89,8 +89,10 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
 
     ``reaper``: start the process that removes the arena when its owner
     dies (an engine); a meta service keeps its arena for a restart to adopt.
-    What was created is removed again if a later part fails.
+    What was created is removed again if a later part fails; a ``tier``
+    given stays the caller's (open).
     """
+    made = tier is None
     if tier is None:
         tier = DramTier.create(arena, cfg.dram_size_bytes, rank_bytes, ranks)
     if reaper:
@@ -135,7 +137,8 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
     except BaseException:
         if ssd is not None:
             ssd.discard()  # the files it created go too
-        tier.close()
+        if made:
+            tier.close()
         raise
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvtier.pool.client import PoolPlacement
+from kvtier.pool.client import PoolPlacement, PoolRefused
 from kvtier.tier.dram import DramTier, checksum
 from kvtier.tools.meta import MetaProcess
 from kvtier.tools.server import free_port
@@ -139,6 +139,47 @@ def test_slots_held_for_a_gone_instance_stay_held_across_a_restart(tmp_path: Pat
         for placement in (a, b):
             if placement is not None:
                 placement.shutdown()
+        meta.stop()
+
+
+def test_a_pool_that_cannot_be_made_yet_keeps_the_old_arena_for_the_next_instance(tmp_path: Path) -> None:
+    """The first instance after a restart finds the SSD tier's folder gone
+    (a disk not mounted yet): its pool is not made, and the arena the dead
+    service left stays to be adopted once the folder is back, instead of
+    being removed with the failed attempt."""
+    conf = configs(tmp_path)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    with conf.open("a") as f:
+        f.write(f"ock.mmc.local_service.storage.enabled = true\nubsio.disk.path = {ssd / 'kv.img'}\n"
+                "kvtier.ssd_size = 4MB\n")
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    c = None
+    try:
+        c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i")
+        ks = keys(9, 3)
+        seal(c.arena_path, list(c.prepare_save(ks, step=1)), ks)
+        c.complete_step(1)
+        assert c.probe(ks).ready == 3
+        arena = c.arena_path
+        c.shutdown()
+        meta.kill()
+        ssd.rename(tmp_path / "ssd-away")
+        meta.start()
+        try:
+            PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="j").shutdown()
+        except PoolRefused as err:
+            assert "the pool could not be made" in err.message
+        else:
+            raise AssertionError("a pool was made without its SSD folder")
+        assert Path(arena).exists()
+        (tmp_path / "ssd-away").rename(ssd)
+        c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="k")
+        assert c.arena_path == arena and c.probe(ks).ready == 3
+        assert "3 blocks adopted from the old arena" in meta.log_text()
+    finally:
+        if c is not None:
+            c.shutdown()
         meta.stop()
 
 

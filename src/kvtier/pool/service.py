@@ -309,7 +309,17 @@ class MetaService:
                 if store is None:
                     old, self._adoptable = self._adoptable, None
             if store is None:
-                store, page = self._make_pool(ranks, rank_bytes, old)
+                try:
+                    store, page = self._make_pool(ranks, rank_bytes, old)
+                except BaseException:
+                    # A failure the next instance may not meet (an SSD path
+                    # not mounted yet): the old arena stays for it to adopt.
+                    if old is not None and not old.closed:
+                        with self._lock:
+                            old, self._adoptable = self._adoptable, old
+                        if old is not None:
+                            old.close()
+                    raise
                 with self._lock:
                     if not self._stop.is_set():
                         self.store, self._stats_page, self.geometry = store, page, (ranks, rank_bytes)

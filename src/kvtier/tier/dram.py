@@ -392,6 +392,10 @@ class DramTier:
             os.close(fd)
             raise
 
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
     def close(self) -> None:
         """Drop this tier's mapping; the owner also removes the file.
 
