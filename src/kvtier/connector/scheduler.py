@@ -432,6 +432,45 @@ class SchedulerSide:
         except Exception:  # noqa: BLE001 - the engine never fails because of the cache
             log.exception("kvtier: evicting the blocks of a failed load from vLLM's prefix cache failed")
 
+    def _drop_outputs_in_flight(self, invalid: set[int]) -> None:
+        """Under asynchronous scheduling, drop the outputs still in flight of
+        the requests vLLM just rolled back to before a block that failed to
+        load: those steps were planned before the failure was known, and
+        computed on the bad block.
+
+        vLLM's rollback (``kv_load_failure_policy: recompute``) moves
+        ``num_computed_tokens`` back, but the request's next step, already
+        running, still delivers the token it sampled from the bad KV. The
+        block reported again with that step catches it only while vLLM's
+        window for it (what is computed now less what that step scheduled)
+        still reaches the block, which a small token budget defeats. The
+        request is marked as vLLM marks a preempted one in drop mode (its
+        ``num_stale_output_tokens`` are drained and discarded on arrival).
+        Runs after vLLM's rollback: ``update_connector_output`` comes once
+        the step's outputs are applied."""
+        get = getattr(self.kv_cache_manager, "get_blocks", None)
+        if get is None:
+            return
+        for req_id, st in list(self._reqs.items()):
+            request = st.request
+            in_flight = getattr(request, "num_in_flight_tokens", 0)
+            if not in_flight:
+                continue
+            try:
+                ids = get(req_id).get_block_ids()[0]
+            except Exception:  # noqa: BLE001 - not scheduled (or gone): nothing of it in flight to judge
+                continue
+            first = next((i for i, b in enumerate(ids) if b in invalid), None)
+            if first is None or request.num_computed_tokens > first * self.block_tokens:
+                continue  # holds no failed block, or was not rolled back before it
+            request.drop_stale_output = True
+            request.num_stale_output_tokens = in_flight
+            request.num_output_placeholders = 0
+            if getattr(request, "spec_token_ids", None):
+                request.spec_token_ids = []
+            log.info("kvtier: request %s rolled back after a failed load; its %d tokens in flight are dropped",
+                     req_id, in_flight)
+
     def _take_delayed(self) -> dict[str, int]:
         delayed, self._delayed = self._delayed, {}
         return delayed
@@ -480,6 +519,7 @@ class SchedulerSide:
                 self._stats.add("corrupt_blocks", len(report.corrupt_keys))
         if invalid:
             self._evict_from_device_cache(set(invalid))
+            self._drop_outputs_in_flight(set(invalid))
             # A load failed: the workers dropped that step's saves; steps
             # planned since (asynchronous scheduling) may have computed on the
             # bad blocks too, so their saves never become readable either.
