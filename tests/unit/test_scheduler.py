@@ -8,6 +8,7 @@ calls the hooks (lookup, alloc, plan, output).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import pytest
@@ -231,6 +232,31 @@ def test_blocks_that_became_ready_since_the_lookup_are_counted(side: SchedulerSi
     monkeypatch.setattr(store, "probe", probe)
     assert store.promote(keys[1:]) == 0  # nothing to move: all READY
     assert side.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+
+
+def test_blocks_on_ssd_that_vllm_holds_itself_are_not_waited_for(side: SchedulerSide, store: TieredStore,
+                                                                 monkeypatch) -> None:
+    # The pool holds blocks 0-2 and 10-11 in DRAM, 3-9 on SSD only; vLLM's
+    # own cache holds blocks 0-9. Only 10-11 are loaded: the request is
+    # answered at once, with nothing promoted, instead of waiting for 3-9.
+    req = Req("r", tokens(12, base=900))
+    keys = side._keys(side._state(req), req.num_tokens - 1)
+    where = {k: "dram" if i < 3 or i >= 10 else "ssd" for i, k in enumerate(keys)}
+
+    def probe(ks):
+        held = list(itertools.takewhile(where.__contains__, ks))
+        ready = list(itertools.takewhile(lambda k: where[k] == "dram", held))
+        return Probe(len(ready), len(held))
+
+    promoted = []
+    monkeypatch.setattr(store, "probe", probe)
+    monkeypatch.setattr(store, "promote", lambda ks: promoted.append(list(ks)) or len(ks))
+    assert side.get_num_new_matched_tokens(req, 10 * BLOCK) == (2 * BLOCK, False)
+    assert promoted == []
+    # Without vLLM's blocks the SSD part is needed: it is promoted and waited for.
+    monkeypatch.setattr(store, "wait_progress", lambda timeout_s: None)
+    assert side.get_num_new_matched_tokens(Req("s", tokens(12, base=900)), 0) == (None, False)
+    assert promoted == [keys[3:12]]
 
 
 def test_the_wait_is_longer_only_when_nothing_else_runs(side: SchedulerSide, store: TieredStore,

@@ -231,22 +231,22 @@ class SchedulerSide:
         # At least one token must be computed to produce logits.
         limit = request.num_tokens - 1
         keys = self._keys(st, limit)
-        probe = self.store.probe(keys)
-        hit = probe.ready
-        if probe.total > probe.ready and probe.total * self.block_tokens > num_computed_tokens:
+        ready, total, remote = self._lookup(keys, num_computed_tokens)
+        hit = ready
+        if total > ready and total * self.block_tokens > num_computed_tokens:
             # Part of the prefix is on SSD: promote it to DRAM and have vLLM ask
             # again (None) until it is there, or until the wait is too long.
             now = time.monotonic()
             if st.waiting_since is None:
                 st.waiting_since = now
             if now - st.waiting_since < self.promote_timeout_s:
-                wanted = keys[probe.ready : probe.total]
+                wanted = keys[ready:total]
                 moving = self.store.promote(wanted)
                 if moving:
                     st.disk_keys.update(wanted[:moving])
-                    if probe.remote:
+                    if remote:
                         # Held only by another node: vLLM counts these as p2p hits.
-                        st.p2p_keys.update(keys[probe.total - probe.remote : probe.total])
+                        st.p2p_keys.update(keys[total - remote : total])
                     # vLLM asks again on its next pass, at once when it has
                     # nothing else to run. Give the I/O threads the GIL for a
                     # moment first: a scheduler spinning on this lookup held
@@ -263,7 +263,7 @@ class SchedulerSide:
                 # have arrived since (a fetch or promotion that ended between
                 # the two calls). Count what is there now, not the stale
                 # ready run, or the rest of the hit is silently recomputed.
-                hit = self.store.probe(keys).ready
+                hit = self._lookup(keys, num_computed_tokens)[0]
         st.waiting_since = None
         st.hit_blocks = hit
         st.device_tokens = num_computed_tokens
@@ -271,6 +271,22 @@ class SchedulerSide:
         if ext <= 0 or num_computed_tokens % self.block_tokens:
             return 0, False
         return ext, False
+
+    def _lookup(self, keys: list[bytes], device_tokens: int) -> tuple[int, int, int]:
+        """(ready, held, held only by another node): the blocks of ``keys``
+        the pool holds from the first on, ready in DRAM, anywhere, and of
+        those the last held only remotely. When vLLM's own cache covers the
+        first ``device_tokens`` and the pool's DRAM run ends before them,
+        the run is counted from there: only blocks past vLLM's hit are
+        loaded, so only those are waited for when on SSD (not the part vLLM
+        holds). The whole prefix is still looked up first: its blocks stay
+        recent in the pool's order, heads with their tails."""
+        probe = self.store.probe(keys)
+        start = device_tokens // self.block_tokens
+        if probe.ready < start < probe.total and not device_tokens % self.block_tokens:
+            tail = self.store.probe(keys[start:])
+            return start + tail.ready, start + tail.total, tail.remote
+        return probe.ready, probe.total, probe.remote
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
