@@ -17,7 +17,12 @@ setup: $(STAMP)
 # compiled later is kept, and every test process would compile vLLM's
 # imports again (a fresh clone's suite took 750 s instead of 450 s).
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# A venv a failed "python -m venv" left (no pip: Debian without python3.11-venv) is made again.
+	@if ! { test -x $(PY) && $(PY) -m pip --version >/dev/null 2>&1; }; then \
+	  rm -rf $(VENV); \
+	  $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
+	    echo "kvtier: '$(PYTHON) -m venv' failed; on Debian or Ubuntu: apt-get install python3.11-venv" >&2; exit 1; }; \
+	fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,test,data]'
 	$(PY) -m pip install -q -e '.[cluster]'
