@@ -27,7 +27,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _model_build(args: argparse.Namespace) -> int:
     from kvtier.tools.model import build_model
 
-    print(build_model(args.geometry, cache_dir=args.cache_dir, dtype=args.dtype))
+    try:
+        print(build_model(args.geometry, cache_dir=args.cache_dir, dtype=args.dtype))
+    except FileNotFoundError as err:  # the package that ships a real model's file
+        raise ConfigError("--geometry", args.geometry, str(err)) from None
     return 0
 
 
@@ -261,8 +264,8 @@ def _size(args: argparse.Namespace) -> int:
         try:
             with open(args.log, errors="replace") as f:
                 kv = sizing.from_log(f.read(), args.devices)
-        except FileNotFoundError:
-            raise ConfigError("--log", args.log, "no such file") from None
+        except OSError as err:
+            raise ConfigError("--log", args.log, err.strerror or str(err)) from None
     gib = 1 << 30
     print(f"KV per token: {kv.bytes_per_token:,.0f} bytes per device, {kv.instance_bytes_per_token:,.0f} "
           f"for the instance ({kv.source})")

@@ -10,6 +10,7 @@ from kvtier.tools.demo import DemoOptions, check_options
 
 @pytest.mark.parametrize("kw,key", [
     ({"docs": 0}, "--docs"),
+    ({"docs": 40}, "--docs"),  # more than the library's 30 reference pages: refused before any model is built
     ({"docs": 2}, "--docs"),  # 2 x 48 blocks fit 110: the repeats would be device hits, not kvtier's
     ({"doc_tokens": 8000}, "--doc-tokens"),  # longer than the device cache
 ])

@@ -35,8 +35,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier.errors import ConfigError
 from kvtier.tools.client import HitRates, RequestResult, hit_rates, scrape, stream_chat
-from kvtier.tools.corpus import QUESTIONS, documents
+from kvtier.tools.corpus import MODULES, QUESTIONS, documents
 from kvtier.tools.meta import MetaProcess
 from kvtier.tools.model import REAL_MODELS, build_model
 from kvtier.tools.server import ServerOptions, VllmServer, free_port
@@ -94,10 +95,9 @@ def check_options(opts: DemoOptions) -> None:
     """Refuse a demo that cannot show what its table names: with no
     document, a document longer than the device cache, or documents that
     all fit in it (the second round would be device hits, not kvtier's)."""
-    from kvtier.errors import ConfigError
-
-    if opts.docs < 1:
-        raise ConfigError("--docs", opts.docs, "at least 1 document")
+    if not 1 <= opts.docs <= len(MODULES):
+        raise ConfigError("--docs", opts.docs, f"1 to {len(MODULES)} documents (the Python library's reference "
+                                               "pages, read offline)")
     blocks = -(-opts.doc_tokens // opts.block_size) + 1  # with the question
     if blocks >= opts.device_blocks:
         raise ConfigError("--doc-tokens", opts.doc_tokens,
@@ -122,7 +122,10 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    docs = documents(tok, opts.docs, opts.doc_tokens)
+    try:
+        docs = documents(tok, opts.docs, opts.doc_tokens)
+    except ValueError as err:
+        raise ConfigError("--docs", opts.docs, f"{err}: ask fewer, or fewer --doc-tokens") from None
     pooled = opts.backend != "embedded"
     kvtier_cfg = {"backend": "pool"} if pooled else {"dram_size": opts.dram_size}
     console.print(f"device cache {opts.device_blocks * opts.block_size} tokens per instance, "

@@ -325,6 +325,10 @@ def load_workload(path: str, max_sessions: int | None = None, max_turns: int | N
             f.seek(0)
             if head == "[":
                 data = json.load(f)
+                bad = next((i for i, item in enumerate(data) if not isinstance(item, dict)), None)
+                if bad is not None:
+                    raise ConfigError("--dataset", path, f"item {bad} is not a conversation (an object with "
+                                                         "'conversations' or 'messages')")
                 sessions = [_sharegpt_session(item) for item in data]
             else:
                 sessions = []
@@ -338,10 +342,10 @@ def load_workload(path: str, max_sessions: int | None = None, max_turns: int | N
                         raise ConfigError("--dataset", path, f"line {n} is not a QA record with 'question'") \
                             from None
                     sessions.append(Session([str(q)]))
-    except FileNotFoundError:
-        raise ConfigError("--dataset", path, "no such file") from None
     except json.JSONDecodeError as err:
         raise ConfigError("--dataset", path, f"not valid JSON: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError("--dataset", path, getattr(err, "strerror", None) or str(err)) from None
     sessions = [s for s in sessions if s.turns]
     if max_turns:
         sessions = [Session(s.turns[:max_turns], s.system) for s in sessions]
@@ -356,6 +360,8 @@ def _sharegpt_session(item: dict) -> Session:
     turns = []
     system = None
     for msg in item.get("conversations") or item.get("messages") or []:
+        if not isinstance(msg, dict):
+            continue
         role = msg.get("from") or msg.get("role")
         text = msg.get("value") if "value" in msg else msg.get("content")
         if not isinstance(text, str):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from kvtier.errors import KvtierError
 from kvtier.hostmem import streaming_copy_env
 
 
@@ -95,8 +96,9 @@ class ServerOptions:
         return args + self.extra_args
 
 
-class ServerError(RuntimeError):
-    pass
+class ServerError(KvtierError, RuntimeError):
+    """A server (vLLM, the meta service) that did not start or stop as it
+    should: one line for the operator, with its log's last lines."""
 
 
 # vLLM's own segments in /dev/shm: its message queues (``psm_*``, Python's
