@@ -15,10 +15,11 @@ import pytest
 
 from kvtier.cli import main as cli_main
 from kvtier.errors import ConfigError
-from kvtier.tools.client import RequestResult, hit_rates, stream_chat
+from kvtier.tools.client import RequestResult, absorb_chunk, hit_rates, stream_chat
 from kvtier.tools.loadgen import (
     Arrival,
     BenchOptions,
+    BenchReport,
     Result,
     Session,
     arrival_schedule,
@@ -240,6 +241,20 @@ def test_summary_figures() -> None:
     assert s["request_throughput"] == pytest.approx(5.5)
     assert s["output_throughput"] == pytest.approx(50.5)
     assert s["total_throughput"] == pytest.approx(600.5)
+
+
+def test_cached_tokens_a_server_does_not_report_are_unknown_not_zero() -> None:
+    """vLLM without --enable-prompt-tokens-details sends no prompt_tokens_details:
+    the report says "-", not 0 cached tokens (which would read as all misses)."""
+    res = RequestResult(ok=True)
+    absorb_chunk(res, {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3}}, 0.0, 0.0)
+    assert (res.prompt_tokens, res.cached_tokens) == (100, None)
+    absorb_chunk(res, {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 3,
+                                                "prompt_tokens_details": {"cached_tokens": 0}}}, 0.0, 0.0)
+    assert res.cached_tokens == 0  # said, and none
+    s = summarize([Result(0, 0, True, ttft_s=0.1, e2e_s=0.2, prompt_tokens=100, completion_tokens=3)], duration_s=1)
+    assert s["cached_tokens"] is None
+    assert "| prompt / cached tokens | 100 / - |" in markdown([BenchReport("x", {}, [], 1.0, None, s)])
 
 
 def test_reports_are_written(flaky_url: str, tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ class RequestResult:
     text: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = None  # None: the server does not say (vLLM without --enable-prompt-tokens-details)
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
     token_chunks: int = 0  # chunks that carried a generated token (the first one sets ttft_s)
@@ -65,7 +65,9 @@ def absorb_chunk(res: Any, chunk: dict, t0: float, last: float) -> float:
     if usage:
         res.prompt_tokens = usage.get("prompt_tokens") or 0
         res.completion_tokens = usage.get("completion_tokens") or 0
-        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        res.cached_tokens = cached if isinstance(cached, int) else None
     return last
 
 

@@ -166,7 +166,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
             if not r.ok:
                 raise RuntimeError(f"request failed: {r.error}")
             results[kind].append(r)
-            console.print(f"  {kind:<14} TTFT {r.ttft_s * 1000:7.1f} ms, cached {r.cached_tokens:5d} "
+            cached = "-" if r.cached_tokens is None else r.cached_tokens
+            console.print(f"  {kind:<14} TTFT {r.ttft_s * 1000:7.1f} ms, cached {cached:>5} "
                           f"of {r.prompt_tokens} prompt tokens")
 
         a = server("A")
@@ -209,9 +210,10 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> dict:
     for kind, rs in results.items():
         mean = statistics.mean(r.ttft_s for r in rs)
         summary["ttft_ms"][kind] = mean * 1000
+        said = [r.cached_tokens for r in rs if r.cached_tokens is not None]
         table.add_row(kind, str(len(rs)), f"{mean * 1000:.1f}",
                       f"{statistics.median(r.ttft_s for r in rs) * 1000:.1f}",
-                      f"{statistics.mean(r.cached_tokens for r in rs):.0f}", f"{cold / mean:.1f}x faster"
+                      f"{statistics.mean(said):.0f}" if said else "-", f"{cold / mean:.1f}x faster"
                       if kind != "cold" else "-", source[kind])
     console.print(table)
 

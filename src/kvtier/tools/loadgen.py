@@ -65,7 +65,7 @@ class Result:
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = None  # None: the server does not say
     text: str = ""
     token_chunks: int = 0  # chunks that carried a generated token (the first one sets ttft_s)
 
@@ -148,7 +148,9 @@ def summarize(results: list[Result], duration_s: float) -> dict:
         "e2el_s": percentiles([r.e2e_s for r in good]),
         "prompt_tokens": in_tokens,
         "completion_tokens": out_tokens,
-        "cached_tokens": sum(r.cached_tokens for r in good),
+        # None when the server said for no request (not 0: nothing was measured).
+        "cached_tokens": sum(said) if (said := [r.cached_tokens for r in good if r.cached_tokens is not None])
+        else None,
         "request_throughput": len(good) / duration_s if duration_s else 0.0,
         "output_throughput": out_tokens / duration_s if duration_s else 0.0,
         "total_throughput": (in_tokens + out_tokens) / duration_s if duration_s else 0.0,
@@ -342,6 +344,8 @@ def load_workload(path: str, max_sessions: int | None = None, max_turns: int | N
                         raise ConfigError("--dataset", path, f"line {n} is not a QA record with 'question'") \
                             from None
                     sessions.append(Session([str(q)]))
+    except FileNotFoundError:
+        raise ConfigError("--dataset", path, "no such file") from None
     except json.JSONDecodeError as err:
         raise ConfigError("--dataset", path, f"not valid JSON: {err}") from None
     except (OSError, UnicodeDecodeError) as err:

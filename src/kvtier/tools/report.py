@@ -35,7 +35,8 @@ _ROWS = (
     ("ITL p50 (ms)", lambda s, h: _ms(s["itl_s"]["p50"])),
     ("E2EL mean (s)", lambda s, h: _s(s["e2el_s"]["mean"])),
     ("E2EL p99 (s)", lambda s, h: _s(s["e2el_s"]["p99"])),
-    ("prompt / cached tokens", lambda s, h: f"{s['prompt_tokens']} / {s['cached_tokens']}"),
+    ("prompt / cached tokens", lambda s, h: f"{s['prompt_tokens']} / "
+     f"{'-' if s.get('cached_tokens') is None else s['cached_tokens']}"),
     ("output throughput (tok/s)", lambda s, h: f"{s['output_throughput']:.1f}"),
     ("total throughput (tok/s)", lambda s, h: f"{s['total_throughput']:.1f}"),
     ("h1 device", lambda s, h: f"{h.h1:.1%}" if h else "-"),
@@ -93,7 +94,7 @@ def plot(reports: Sequence[BenchReport], out_dir: str) -> list[str]:
             ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=r.label)
 
     def by_hit_rate(ax, r: BenchReport) -> None:
-        ok = [x for x in r.results if x.ok and x.prompt_tokens]
+        ok = [x for x in r.results if x.ok and x.prompt_tokens and x.cached_tokens is not None]
         ax.scatter([x.cached_tokens / x.prompt_tokens for x in ok], [x.ttft_s * 1000 for x in ok], s=12,
                    alpha=0.7, label=r.label)
 

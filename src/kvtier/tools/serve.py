@@ -269,7 +269,7 @@ class Serve:
         port = self.first_port + i if self.first_port else free_port()
         log_path = self.log_dir / f"vllm-{i}.log"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--host", self.host, "--port", str(port), "--enable-prefix-caching",
+                "--host", self.host, "--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--kv-transfer-config", _transfer_config(), *self.vllm_args]
         fd = open_log(log_path)
         try:
