@@ -39,6 +39,19 @@ def test_head_dim_and_nested_text_config(tmp_path: Path) -> None:
     assert sizing.from_model_dir(str(tmp_path)).bytes_per_token == 2 * 2 * 2 * 64 * 2
 
 
+def test_a_latent_attention_model_holds_one_latent_vector_a_token_and_layer_on_every_rank(tmp_path: Path) -> None:
+    # DeepSeek-V2-Lite: 27 layers x (512 latent + 64 rotary) x 2 bytes, not 2 x layers x heads x head size.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_size": 2048,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "torch_dtype": "bfloat16"}))
+    kv = sizing.from_model_dir(str(tmp_path))
+    assert kv.bytes_per_token == 27 * 576 * 2
+    tp2 = sizing.from_model_dir(str(tmp_path), tp=2)  # the same latent on both ranks
+    assert tp2.bytes_per_token == 27 * 576 * 2 and tp2.instance_bytes_per_token == 2 * 27 * 576 * 2
+    assert sizing.from_model_dir(str(tmp_path), dtype="fp8_e4m3").bytes_per_token == 27 * 576  # vLLM's spelling
+
+
 def test_bad_model_configs_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no config.json"):
         sizing.from_model_dir(str(tmp_path))

@@ -27,7 +27,7 @@ from kvtier.errors import ConfigError
 from kvtier.pool.config import PoolConfig
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1, "float8": 1,
-                "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+                "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
 HEADROOM = 1.5
 
 
@@ -87,6 +87,18 @@ def from_model_dir(model_dir: str, dtype: str | None = None, tp: int = 1) -> KvS
         raise ConfigError("--dtype", name, f"unknown; expected one of {', '.join(sorted(_DTYPE_BYTES))}")
     if tp < 1:
         raise ConfigError("--tp", tp, "must be at least 1")
+    if cfg.get("kv_lora_rank"):
+        # Multi-head latent attention (DeepSeek V2/V3 and kin): one latent
+        # vector and one rotary key a token and layer, the same on every
+        # rank (not split by tensor parallelism).
+        try:
+            latent, rope = int(cfg["kv_lora_rank"]), int(cfg.get("qk_rope_head_dim") or 0)
+        except (TypeError, ValueError) as err:
+            raise ConfigError("--model-dir", path, f"config.json: kv_lora_rank or qk_rope_head_dim is not a "
+                                                   f"number ({err})") from None
+        b = layers * (latent + rope) * _DTYPE_BYTES[name]
+        return KvShape(b, f"{path}: {layers} layers x ({latent} latent + {rope} rotary) x {_DTYPE_BYTES[name]} "
+                          f"bytes ({name}, MLA: the same on each of TP {tp})", tp)
     per_device_heads = max(1, math.ceil(kv_heads / tp))  # fewer KV heads than ranks: replicated
     b = 2 * layers * per_device_heads * head_size * _DTYPE_BYTES[name]
     return KvShape(b, f"{path}: 2 x {layers} layers x {per_device_heads} KV heads per device x {head_size} x "
