@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -417,7 +418,7 @@ def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm
         signal.signal(sig, s.request_stop)
     try:
         s.start()
-        print(f"serving; stop with Ctrl-C or: kvtier stop --log-dir {log_dir}", flush=True)
+        print(f"serving; stop with Ctrl-C or: kvtier stop --log-dir {shlex.quote(os.path.abspath(log_dir))}", flush=True)
         rc = s.watch()
     except ServerError as err:
         print(f"kvtier serve: {err}", file=sys.stderr)
