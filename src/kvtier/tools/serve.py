@@ -418,7 +418,8 @@ def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm
         signal.signal(sig, s.request_stop)
     try:
         s.start()
-        print(f"serving; stop with Ctrl-C or: kvtier stop --log-dir {shlex.quote(os.path.abspath(log_dir))}", flush=True)
+        where = shlex.quote(os.path.abspath(log_dir))
+        print(f"serving; stop with Ctrl-C or: kvtier stop --log-dir {where}", flush=True)
         rc = s.watch()
     except ServerError as err:
         print(f"kvtier serve: {err}", file=sys.stderr)
