@@ -323,3 +323,26 @@ def test_stats_of_a_pool_never_reached_are_zeros_not_an_error(side: SchedulerSid
     monkeypatch.setattr(side.store, "counters", lambda: {})
     stats = side.get_kv_connector_stats()
     assert stats is not None and stats.data.get("dram_slots_used") == 0
+
+
+def test_a_failure_dropping_outputs_in_flight_leaves_the_saves_since_doomed(side: SchedulerSide,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropping the in-flight outputs of rolled-back requests comes last of
+    a failed load's handling: should it raise (another vLLM's Request), the
+    saves planned since the failed step are doomed all the same."""
+    from kvtier.connector.meta import StepReport
+
+    doomed: list[int] = []
+    monkeypatch.setattr(side.store, "doom_pending", doomed.append)
+
+    def broken(invalid: set[int]) -> None:
+        raise AttributeError("a Request without num_in_flight_tokens")
+
+    monkeypatch.setattr(side, "_drop_outputs_in_flight", broken)
+
+    class StepOutput:
+        kv_connector_worker_meta = StepReport(done={3: 1}, failed_slots=[])
+        invalid_block_ids = {6}
+
+    side.update_connector_output(StepOutput())
+    assert doomed == [3]

@@ -549,8 +549,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        # A dropped save is a future miss, never a correctness problem.
-        return False
+        # vLLM asks this to choose how a request preempted with a step in
+        # flight (asynchronous scheduling) is handled: True drops that
+        # step's output, which is sampled again. kvtier's saves need no such
+        # care (a dropped save is a future miss), but its loads do: vLLM
+        # checks a failed load's blocks only against running requests, so
+        # the token a preempted request's step sampled on a bad block would
+        # otherwise be delivered (tests/unit/test_vllm_scheduler.py).
+        return True
 
     # --- scheduler side ---------------------------------------------------
 

@@ -64,6 +64,7 @@ class _ReqState:
     last_save_step: int = -1  # the last step that planned a save of this request's blocks
     seed: bytes = b""  # the chain's seed: the namespace, plus the request's LoRA and cache salt
     uncacheable: bool = False  # multimodal or embedding inputs: tokens alone do not name the KV
+    planned_tokens: int | None = None  # its computed tokens once its last planned step is computed
 
 
 class SchedulerSide:
@@ -361,7 +362,10 @@ class SchedulerSide:
         self._idle_pass = not sched
         for req_id, n_sched in sched.items():
             st = self._reqs.get(req_id)
-            if st is None or self._now_uncacheable(st):
+            if st is None:
+                continue
+            st.planned_tokens = st.request.num_computed_tokens + n_sched  # (vLLM adds them after this call)
+            if self._now_uncacheable(st):
                 continue
             req = st.request
             done_tokens = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))
@@ -450,42 +454,53 @@ class SchedulerSide:
 
     def _drop_outputs_in_flight(self, invalid: set[int]) -> None:
         """Under asynchronous scheduling, drop the outputs still in flight of
-        the requests vLLM just rolled back to before a block that failed to
+        the requests vLLM just moved back because of a block that failed to
         load: those steps were planned before the failure was known, and
-        computed on the bad block.
+        computed on the bad block (or on a token sampled from it).
 
-        vLLM's rollback (``kv_load_failure_policy: recompute``) moves
-        ``num_computed_tokens`` back, but the request's next step, already
-        running, still delivers the token it sampled from the bad KV. The
-        block reported again with that step catches it only while vLLM's
-        window for it (what is computed now less what that step scheduled)
-        still reaches the block, which a small token budget defeats. The
-        request is marked as vLLM marks a preempted one in drop mode (its
-        ``num_stale_output_tokens`` are drained and discarded on arrival).
-        Runs after vLLM's rollback: ``update_connector_output`` comes once
-        the step's outputs are applied."""
+        vLLM's handling (``kv_load_failure_policy: recompute``) moves
+        ``num_computed_tokens`` back: to the failed block for the request
+        that loaded it, by the step's tokens for one that shares the block
+        through vLLM's prefix cache. But the request's next step, already
+        running, still delivers the token it sampled. The block reported
+        again with that step catches it only while vLLM's window for it
+        (what is computed now less what that step scheduled) still reaches
+        the block, which a small token budget defeats, and not at all for
+        the steps after it. Such a request is marked as vLLM marks a
+        preempted one in drop mode (its ``num_stale_output_tokens`` are
+        drained and discarded on arrival), and its output placeholders,
+        which the skipped outputs never consumed, are cleared.
+
+        A request counts as moved back when it holds a failed block its
+        planned steps reached, its computed tokens went below what its last
+        planned step leaves, and it is in its prompt again (not a decode
+        step's rejected drafts). Runs after vLLM's handling:
+        ``update_connector_output`` comes once the step's outputs are applied."""
         get = getattr(self.kv_cache_manager, "get_blocks", None)
         if get is None:
             return
         for req_id, st in list(self._reqs.items()):
-            request = st.request
-            in_flight = getattr(request, "num_in_flight_tokens", 0)
-            if not in_flight:
+            request, planned = st.request, st.planned_tokens
+            computed = request.num_computed_tokens
+            if planned is None or computed >= planned or computed >= request.num_tokens:
                 continue
             try:
                 ids = get(req_id).get_block_ids()[0]
             except Exception:  # noqa: BLE001 - not scheduled (or gone): nothing of it in flight to judge
                 continue
             first = next((i for i, b in enumerate(ids) if b in invalid), None)
-            if first is None or request.num_computed_tokens > first * self.block_tokens:
-                continue  # holds no failed block, or was not rolled back before it
-            request.drop_stale_output = True
-            request.num_stale_output_tokens = in_flight
+            if first is None or first * self.block_tokens >= planned:
+                continue  # holds no failed block its steps reached
+            in_flight = getattr(request, "num_in_flight_tokens", 0)
+            if in_flight:
+                request.drop_stale_output = True
+                request.num_stale_output_tokens = in_flight
+                if getattr(request, "spec_token_ids", None):
+                    request.spec_token_ids = []
+                log.info("kvtier: request %s moved back after a failed load; its %d tokens in flight are dropped",
+                         req_id, in_flight)
             request.num_output_placeholders = 0
-            if getattr(request, "spec_token_ids", None):
-                request.spec_token_ids = []
-            log.info("kvtier: request %s rolled back after a failed load; its %d tokens in flight are dropped",
-                     req_id, in_flight)
+            st.planned_tokens = computed
 
     def _take_delayed(self) -> dict[str, int]:
         delayed, self._delayed = self._delayed, {}
@@ -535,7 +550,6 @@ class SchedulerSide:
                 self._stats.add("corrupt_blocks", len(report.corrupt_keys))
         if invalid:
             self._evict_from_device_cache(set(invalid))
-            self._drop_outputs_in_flight(set(invalid))
             # A load failed: the workers dropped that step's saves; steps
             # planned since (asynchronous scheduling) may have computed on the
             # bad blocks too, so their saves never become readable either.
@@ -552,6 +566,10 @@ class SchedulerSide:
                         if st is not None:
                             st.saved_blocks = min(st.saved_blocks, first)
             self.store.doom_pending(last)
+            try:  # last: should it fail, the saves above are doomed all the same
+                self._drop_outputs_in_flight(set(invalid))
+            except Exception:  # noqa: BLE001
+                log.exception("kvtier: dropping the outputs in flight of requests rolled back failed")
 
     def reset_cache(self) -> int:
         """vLLM's reset (after a weight update): nothing from before it may
