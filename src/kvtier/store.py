@@ -838,6 +838,8 @@ class TieredStore:
                 return 0
             self._held = [(t, slots) for t, slots in self._held if t > now]
             for slots in due:
+                for slot in slots:
+                    self.tier.clear(slot)  # the key it kept while held (a restart holds such slots again)
                 self._free.extend(slots)
             return sum(len(x) for x in due)
 

@@ -255,6 +255,9 @@ def test_slots_held_after_a_dead_session_count_as_used_for_eviction(make_store) 
     # B died mid-save: its 9 slots are held (its workers may still write).
     assert store.end_session(B, hold_until=1e9) == (0, 9)
     assert store.held_slots == 9
+    # While held, a slot's header still names its key (a restart holds it again), unreadable.
+    assert set(store.tier.written_slots()) >= set(b_slots)
+    assert not any(store.tier.is_sealed(slot, K(100 + i)) for i, slot in enumerate(b_slots))
     # A's next save of 5 blocks: one slot is free; the held ones are used
     # slots all the same, so the store evicts A's older blocks to make room
     # instead of placing one block and dropping four.
@@ -264,4 +267,5 @@ def test_slots_held_after_a_dead_session_count_as_used_for_eviction(make_store) 
     assert store.statistics().events.evictions >= 4
     store.complete_step(2, owner=A)
     assert store.release_held(1e9) == 9 and store.held_slots == 0
+    assert not set(store.tier.written_slots()) & set(b_slots)  # free again, naming nothing
     assert None not in store.prepare_save([K(300 + i) for i in range(5)], 3, owner=A)
