@@ -247,8 +247,7 @@ class PoolPlacement:
             deadline = time.monotonic() + self.timeout_s
             try:
                 assert self._sock is not None
-                wire.time_left(self._sock, deadline)
-                self._send_deferred_locked()
+                self._send_deferred_locked(deadline)
                 mid = self._next_id
                 self._next_id += 1
                 msg.id = mid  # type: ignore[attr-defined]
@@ -299,9 +298,12 @@ class PoolPlacement:
                     self._drop_locked(err)
             self._lock.release()
 
-    def _send_deferred_locked(self) -> None:
+    def _send_deferred_locked(self, deadline: float | None = None) -> None:
+        """Send the deferred calls, each by ``deadline`` when one is given."""
         assert self._sock is not None
         while self._deferred:
+            if deadline is not None:
+                wire.time_left(self._sock, deadline)
             epoch, earlier = self._deferred.popleft()
             if epoch == self._epoch:  # else made for a session that has ended
                 self._send_unanswered_locked(earlier)
