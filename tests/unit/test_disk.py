@@ -149,6 +149,14 @@ def test_release_deletes_only_what_is_kvtiers(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="holds data that is not kvtier's; not deleted"):
         release(str(notes), delete=True)
     assert notes.read_bytes() == b"someone's data" * 1000
+    small = tmp_path / "todo.txt"  # smaller than a page: the tier's sniffed ranges miss it
+    small.write_bytes(b"call the bank")
+    tail = tmp_path / "tail.bin"  # zeros, then data in a last partial page
+    tail.write_bytes(bytes(3 * MiB) + b"last words")
+    for path in (small, tail):
+        with pytest.raises(ConfigError, match="not kvtier's"):
+            release(str(path), delete=True)
+        assert path.exists()
     used = str(tmp_path / "used.img")  # prepared, then formatted by the SSD tier
     prepare(used, 4 * MiB)
     tier, _ = SsdTier.open([used], None, 4096)

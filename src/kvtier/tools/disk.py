@@ -316,6 +316,13 @@ def _check_own(path: str, what: str = "") -> None:
     try:
         st = os.fstat(fd)
         holds = _holds(fd, st.st_size)[0] if stat.S_ISREG(st.st_mode) else "not a regular file"
+        if holds == "zeros":
+            # Where the tier does not look: a last partial page, or all of a
+            # file too small to be a tier (a note of a few bytes).
+            start = 0 if st.st_size < 2 * PAGE else st.st_size - st.st_size % PAGE
+            rest = os.pread(fd, st.st_size - start, start)
+            if rest.count(0) != len(rest):
+                holds = "foreign"
     finally:
         os.close(fd)
     if holds not in ("kvtier", "zeros"):
