@@ -227,11 +227,11 @@ def test_a_serve_starting_holds_its_folder_before_the_meta_service_starts(tmp_pa
         finally:
             second.stop()
         assert (tmp_path / STATE_FILE).exists()  # the refused one leaves the first one's record
+        first.request_stop()  # stops the start once the meta service is up: no vLLM
         return real_start(meta, stop)
 
     monkeypatch.setattr(serve_mod.MetaProcess, "start", start)
     first = Serve("m", 1, tmp_path, out=lambda *_: None)
-    first.request_stop()  # stops the start once the meta service is up: no vLLM
     try:
         with pytest.raises(ServerError, match="interrupted"):
             first.start()
@@ -242,6 +242,17 @@ def test_a_serve_starting_holds_its_folder_before_the_meta_service_starts(tmp_pa
     later = Serve("m", 1, tmp_path, out=lambda *_: None)  # the folder is free again once it stopped
     later._take_folder()
     later.stop()
+
+
+def test_a_stop_during_the_checks_starts_no_meta_service(tmp_path: Path) -> None:
+    s = Serve("m", 1, tmp_path / "logs", out=lambda *_: None)
+    s.request_stop()  # kvtier stop, before the meta service was started
+    try:
+        with pytest.raises(ServerError, match="interrupted"):
+            s.start()
+        assert s.meta is None
+    finally:
+        s.stop()
 
 
 def test_a_port_whose_connections_linger_in_time_wait_is_free_to_serve(tmp_path: Path) -> None:

@@ -338,6 +338,8 @@ class Serve:
         self._write_state()  # the supervisor, before anything starts: kvtier stop finds it from now on
         self._check_ports()
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
+        if self._stop.is_set():  # kvtier stop (or Ctrl-C) during the checks: nothing is started
+            raise ServerError("interrupted during start-up")
         self.meta = MetaProcess(meta_conf, local_conf, log_path=self.log_dir / "meta.log",
                                 args=meta_role_args(local_conf))
         self.meta.start(stop=self._stop)
