@@ -9,9 +9,12 @@ the service's arena and sealing slots, as connector/worker.py does.
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -415,6 +418,38 @@ def test_listening_beyond_loopback_without_a_token_is_warned_of(tmp_path: Path, 
         svc = start(tmp_path, url=url, token=token)
         svc.stop()
     assert ("beyond loopback, without a token" in caplog.text) == warned
+
+
+_OTHER_USER = """
+import encodings.idna, os, socket, sys  # imported first: nobody cannot read root's Python
+from kvtier.pool import wire
+os.setgid(65534)
+os.setuid(65534)
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, sys.argv[2], "nobody", os.getpid(), 1, 4096)))
+reply = wire.decode_server(wire.recv_frame(s))
+print(getattr(reply, "code", type(reply).__name__))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+@pytest.mark.parametrize("token", ["", "t0ken"])
+def test_a_local_connection_of_another_user_needs_the_token(tmp_path: Path, token: str) -> None:
+    """Without a token, TCP on loopback takes what the Unix socket (0600)
+    and the arena take: the service's own user (and root). Another local
+    user could otherwise probe which prompts are cached, pin, and discard."""
+    svc = start(tmp_path, token=token or None, store=KvtierConfig(dram_size_bytes=64 * (4096 + 4096),
+                                                                   shm_dir=str(tmp_path)))
+    try:
+        port = svc.address.rsplit(":", 1)[1]
+        env = dict(os.environ, PYTHONPATH=str(Path(pool_service.__file__).parents[2]))
+        out = subprocess.run([sys.executable, "-c", _OTHER_USER, port, token], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == ("Welcome" if token else "auth")
+        assert client(svc, token=token).probe(keys(9, 1)).total == 0  # this user's instance is taken
+    finally:
+        svc.stop()
 
 
 def test_another_block_geometry_is_refused_with_a_reason(service: MetaService) -> None:

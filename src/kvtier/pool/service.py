@@ -39,6 +39,7 @@ import os
 import secrets
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -498,6 +499,16 @@ class MetaService:
             log.warning("kvtier meta: %s (%s) gave no valid token; refused", name, peer)
             _send(conn, wire.Error(0, "auth", "the meta service requires its token (KVTIER_TOKEN)"))
             return None
+        if not self.opts.token:
+            # Without a token, TCP on loopback takes what the Unix socket
+            # (mode 0600) and the arena take: this user's processes (and root's).
+            uid = loopback_peer_uid(conn)
+            if uid is not None and uid not in (os.geteuid(), 0):
+                log.warning("kvtier meta: %s (%s) runs as uid %d, not this service's; refused (set kvtier.token "
+                            "to share the pool with other users)", name, peer, uid)
+                _send(conn, wire.Error(0, "auth", f"this meta service takes local connections of uid "
+                                                  f"{os.geteuid()} only (or those with its token, KVTIER_TOKEN)"))
+                return None
         try:
             if not (1 <= msg.ranks <= 8 and 0 < msg.rank_bytes <= 1 << 34):
                 raise _Refused("geometry", f"{msg.ranks} ranks of {msg.rank_bytes} bytes is not a block geometry")
@@ -767,6 +778,40 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def loopback_peer_uid(conn: socket.socket) -> int | None:
+    """The user owning the other end of ``conn``, a TCP connection from
+    this host's loopback (the uid column of /proc/net/tcp or tcp6, in the
+    service's network namespace); None for any other connection, or when
+    the table does not list it (it cannot tell)."""
+    if conn.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        peer, local = conn.getpeername(), conn.getsockname()
+        ip = ipaddress.ip_address(peer[0])
+        mapped = getattr(ip, "ipv4_mapped", None)
+        if not (ip.is_loopback or (mapped is not None and mapped.is_loopback)):
+            return None
+        table = "/proc/net/tcp" if conn.family == socket.AF_INET else "/proc/net/tcp6"
+        want = (_proc_address(conn.family, peer[0], peer[1]), _proc_address(conn.family, local[0], local[1]))
+        with open(table) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 7 and (fields[1], fields[2]) == want:
+                    return int(fields[7])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _proc_address(family: int, host: str, port: int) -> str:
+    """``host:port`` as /proc/net/tcp writes it: the address's 32-bit words
+    in this machine's byte order, then the port, in hex."""
+    raw = socket.inet_pton(family, host.split("%")[0])
+    words = struct.unpack(f"={len(raw) // 4}I", raw)
+    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
 
 
 def _socket_dead(path: str) -> bool:
