@@ -107,8 +107,23 @@ class _Jobs:
     _idle: threading.Condition
 
     def _submit(self, fn, arg) -> None:
-        assert self._io is not None
-        fut = self._io.submit(fn, arg)
+        io = self._io
+        try:
+            if io is None:
+                raise RuntimeError("closed")
+            fut = io.submit(fn, arg)
+        except RuntimeError:
+            # Closed (or closing: a job that ends submits its follow-up):
+            # the job runs here, in the caller's thread, so that its blocks'
+            # entries end and the in-flight counts stay exact instead of a
+            # job lost half-way (a store called during shutdown).
+            try:
+                fn(arg)
+            except Exception:  # noqa: BLE001 - as _job_done logs a job's failure
+                log.exception("kvtier: I/O job failed")
+            with self._lock:
+                self._idle.notify_all()
+            return
         self._inflight.add(fut)
         fut.add_done_callback(self._job_done)
 

@@ -369,6 +369,21 @@ def test_a_bug_starting_one_block_s_write_leaves_the_others_and_every_ssd_slot_r
     assert raised == ([KEYS[1]] if when == "plan" else [])
 
 
+def test_moves_asked_of_a_closed_store_end_at_once(make_store) -> None:
+    """A store called during shutdown (a session's last call racing the
+    meta service's stop): a promotion or an SSD write asked after close()
+    runs in the caller's thread instead of raising with its entries marked
+    moving for good."""
+    store = make_store()
+    save_each(store, KEYS[:9])  # K0..K3 on SSD only
+    assert store.wait_idle()
+    store.close()
+    assert store.promote([KEYS[0]]) == 1
+    assert store._mover.promoting == 0 and store.probe([KEYS[0]]) == Probe(1, 1)
+    save_each(store, KEYS[9:12], first_step=9)  # evictions write to SSD in this thread now
+    assert store._mover.demoting == 0 and not any(e.demoting for e in store._entries.values())
+
+
 def test_promote_counts_and_skips(make_store) -> None:
     store = make_store()
     save_each(store, KEYS[:9])
