@@ -902,11 +902,15 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("layout", ["start", "btrfs", "end"])
+@pytest.mark.parametrize("layout", ["start", "btrfs", "end", "small", "tail"])
 def test_a_file_holding_other_data_is_refused_and_left_byte_identical(tmp_path: Path, layout: str) -> None:
     path = tmp_path / "photos.img"
     body = bytearray(4 << 20)
-    if layout == "start":
+    if layout == "small":  # a few bytes, under a page: no range to sniff but the file itself
+        body = bytearray(b"remember the milk\n")
+    elif layout == "tail":  # data in a last partial page only
+        body += b"last words"
+    elif layout == "start":
         body[SNIFF - 1] = 1  # one byte set in the first MiB
     elif layout == "btrfs":  # zeros up to 64 KiB, then btrfs's superblock (its magic at 0x10040)
         body[0x10040 : 0x10048] = b"_BHRfS_M"

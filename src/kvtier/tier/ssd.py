@@ -648,7 +648,12 @@ class SsdTier:
         :class:`ConfigError`: formatting after a transient error would
         destroy a tier (or someone's data) that is there.
         """
-        ranges = sniff_ranges(device_size(fd))
+        size = device_size(fd)
+        ranges = sniff_ranges(size)
+        if size % PAGE:
+            # A file's last partial page, which the ranges leave out (all of
+            # a file under a page: a few bytes of someone's notes).
+            ranges.append((size - size % PAGE, size % PAGE))
         if not ranges:
             return "zeros", b""
         chunks = []

@@ -122,8 +122,9 @@ def prepare(path: str, size_bytes: int, loop: bool = False, force: bool = False)
 
 
 def _zero_sniffed(fd: int, size: int) -> None:
-    """Zeros where the SSD tier looks for someone's data, made durable."""
-    for off, n in sniff_ranges(size):
+    """Zeros where the SSD tier looks for someone's data, made durable:
+    both ends, and a file's last partial page."""
+    for off, n in sniff_ranges(size) + ([(size - size % PAGE, size % PAGE)] if size % PAGE else []):
         os.pwrite(fd, bytes(n), off)
     os.fsync(fd)
 
