@@ -118,7 +118,8 @@ def test_layers_vllm_did_not_announce_are_saved_in_wait_for_save(device_worker) 
 
 def test_saves_of_a_step_whose_load_failed_are_failed_once_their_copies_end(device_worker) -> None:
     w, tier, stream = device_worker
-    tier.clear(2, KEY_C)  # published for KEY_C, never sealed: the load fails
+    tier.clear(2, KEY_C)
+    tier.publish(2)  # published for KEY_C, never sealed: the load fails, the block is corrupt
     plan = StepPlan(step=1, arena=tier.path, loads=[BlockCopy(5, 2, KEY_C)], saves=[BlockCopy(3, 0, KEY_A)])
     w.start_load_kv(plan)
     for name in ("l0", "l1"):

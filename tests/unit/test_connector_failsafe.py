@@ -122,7 +122,8 @@ def test_worker_without_an_arena_turns_loads_into_errors() -> None:
 
 def test_saves_of_a_step_with_a_failed_load_are_all_dropped(worker_and_tier) -> None:
     w, tier, kv = worker_and_tier
-    tier.clear(0, b"a" * 16)  # published for key a, never sealed: the load must fail
+    tier.clear(0, b"a" * 16)
+    tier.publish(0)  # published for key a, never sealed: the load must fail, the block is corrupt
     plan = StepPlan(step=5, arena=tier.path, loads=[BlockCopy(1, 0, b"a" * 16)],
                     saves=[BlockCopy(2, 1, b"b" * 16), BlockCopy(3, 2, b"c" * 16)])
     w.start_load_kv(plan)

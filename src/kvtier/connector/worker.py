@@ -299,8 +299,14 @@ class WorkerSide:
                 continue
             self._load_errors.add(c.block_id)
             if c.slot >= 0 and self._report is not None:
-                # Published but not sealed for this key: the index must forget it.
-                self._report.corrupt_keys.append(c.key)
+                # Published for this key but not sealed by every rank: the
+                # index must forget it. A slot that names another key, or is
+                # no longer published, was cleared or reused since the plan
+                # (a pin that outlived its lease): a miss, not a corrupt
+                # block, and the key may be held elsewhere by now.
+                row = snapshot[i] if snapshot is not None else tier.header_snapshot([c.slot], [c.key])[0][0]
+                if bytes(row["key"]) == c.key and row["published"]:
+                    self._report.corrupt_keys.append(c.key)
         headers = snapshot[kept] if snapshot is not None and good else None
         bad: list[BlockCopy] = []
         reused: list[BlockCopy] = []
