@@ -1226,10 +1226,12 @@ class TieredStore:
             log.info("kvtier: SSD eviction: %d blocks dropped; %d/%d slots used; totals: %d evictions",
                      n, len(self._ssd_entries), self.ssd.num_slots, self._c.ssd_evictions)
 
-    def _drop_ssd(self, key: bytes) -> None:
+    def _drop_ssd(self, key: bytes, last: bool = False) -> None:
         # The header on disk still names the block until the slot is reused;
         # reuse first writes an empty header (SsdTier.write, step 1).
-        self._ssd_entries.remove(key, dirty=True)
+        # ``last``: a read of the slot failed: it is taken after every other
+        # free slot (a bad sector taken again at once would fail a write).
+        self._ssd_entries.remove_slot(self._ssd_entries[key].slot, last=last)
         e = self._entries.get(key)
         if e is not None:
             e.on_ssd = False
@@ -1386,7 +1388,7 @@ class TieredStore:
                 self._c.ssd_read_errors += 1
             else:
                 self._c.ssd_corrupt += 1
-            self._drop_ssd(key)
+            self._drop_ssd(key, last=io_error)
         return None
 
     # --- the cluster tier (ClusterMover's jobs and the store's calls to it) ------

@@ -482,11 +482,13 @@ def test_ssd_read_error_is_a_miss_and_the_copy_is_forgotten(make_store, disk: Di
     store = make_store()
     save_each(store, KEYS[:9])
     assert on_ssd(store, KEYS[:4]) == KEYS[:4]
+    bad_slots = {store._ssd_entries[k].slot for k in KEYS[:2]}
     disk.fail_reads = True
     assert store.promote(KEYS[:2]) == 2
     assert store.wait_idle()
     c = store.counters()
     assert (c["blocks_promoted"], c["promote_failures"], c["ssd_read_errors"]) == (0, 2, 2)
+    assert set(store._ssd_entries._last) == bad_slots  # taken last: their sectors may be bad
     # Forgotten: a later request does not wait on the same failing read again.
     assert store.probe(KEYS[:2]) == Probe(0, 0)
     assert store.promote(KEYS[:2]) == 0
