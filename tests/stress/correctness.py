@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -105,12 +106,13 @@ def died_with_server(url: str, prompt: list[int]) -> bool:
     """A request that may die with the server (its answer is not compared):
     whether it did. One refused at connect was sent after the server died."""
     try:
-        ask(url, prompt)
+        _, text = ask(url, prompt)
     except httpx.ConnectError:
         return False
     except httpx.HTTPError:
         return True
-    return False
+    # An answer of 5xx: the API server outlived its engine for a moment.
+    return text.startswith("HTTP 5")
 
 
 def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int) -> int:
@@ -128,17 +130,22 @@ def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int
             i += concurrency
         return False
 
+    from kvtier.tools.server import signal_pids, vllm_shm_files
+
+    # The server's processes, found before the feeding starts: finding them
+    # (and the shared memory they map, for stop() to remove) takes long
+    # enough on a loaded machine for every request then running to end.
+    pids = srv.pids()
+    srv.shm_files |= vllm_shm_files(pids)
     with ThreadPoolExecutor(concurrency) as pool:
         futs = [pool.submit(feed, k) for k in range(concurrency)]
         deadline = time.monotonic() + 60
         # Kill once the engine is working on them (loading, computing, saving).
         while not srv.metrics().get("vllm:num_requests_running", 0.0) and time.monotonic() < deadline:
             time.sleep(0.05)
-        # The feeders go on until the processes are gone (finding them takes
-        # a while, long enough for every request then running to end): a
-        # request refused at connect was sent after the kill, and is not
-        # counted.
-        srv.kill()
+        # The feeders go on until the processes are gone: a request refused
+        # at connect was sent after the kill, and is not counted.
+        signal_pids(pids, signal.SIGKILL)
         killed.set()
         srv.wait_exit(60)  # not reaped: stop() sweeps what is left of its session
         return sum(f.result() for f in futs)
