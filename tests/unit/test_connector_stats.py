@@ -103,3 +103,19 @@ def test_worker_hook_time_is_reported_as_the_workers(clock, monkeypatch) -> None
     assert stats is not None and stats.data == {"worker_hook_seconds": 0.125}
     # Summed over ranks and intervals as any counter.
     assert stats.aggregate(KvtierStats({"worker_hook_seconds": 0.5})).data == {"worker_hook_seconds": 0.625}
+
+
+def test_a_failing_shutdown_does_not_stop_vllms(tmp_path, monkeypatch) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    conn = KvtierConnector(vllm_config(extra={"dram_size": "8MB", "shm_dir": str(shm)}),
+                           KVConnectorRole.SCHEDULER, kv_cache_config())
+    real = conn._scheduler.shutdown
+
+    def broken() -> None:
+        real()
+        raise RuntimeError("a device error while closing")
+
+    monkeypatch.setattr(conn._scheduler, "shutdown", broken)
+    conn.shutdown()  # logged, not raised into vLLM's shutdown
+    assert not any(shm.iterdir())  # what it did close stays closed

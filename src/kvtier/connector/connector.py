@@ -787,7 +787,10 @@ class KvtierConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         half = self._scheduler or self._worker
         if half is not None:
-            half.shutdown()
+            try:
+                half.shutdown()
+            except Exception:  # noqa: BLE001 - vLLM's own shutdown goes on (a device error, a pool gone)
+                log.exception("kvtier: shutting down failed")
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
