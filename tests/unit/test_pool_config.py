@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import random
@@ -537,6 +538,17 @@ def test_what_a_killed_service_left_counts_as_free_for_its_restart(tmp_path: Pat
     Path(arena_stem + "dead1").write_bytes(b"x" * (2 << 20))
     Path(stats_stem + "dead1").write_bytes(b"x" * 4096)
     assert (2 << 20) + 4096 <= leftover_bytes(opts) < (3 << 20)
+    # A live service's arena under the same address (another container
+    # sharing /dev/shm): its owner holds the lock, it keeps its memory.
+    live = Path(arena_stem + "live1")
+    live.write_bytes(b"x" * (4 << 20))
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert (2 << 20) + 4096 <= leftover_bytes(opts) < (3 << 20)
+    finally:
+        os.close(fd)
+    assert leftover_bytes(opts) >= (6 << 20)  # its owner gone: counted
 
 
 def test_kvtier_meta_refuses_a_pool_too_big_before_creating_anything(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ thread per connection, sessions and their leases, and the pool's creation.
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import ipaddress
 import logging
@@ -132,7 +133,9 @@ def _stems(opts: ServiceOptions) -> tuple[str, str]:
 def leftover_bytes(opts: ServiceOptions) -> int:
     """Memory held in shm_dir by files a service of these options left
     (killed): a start removes them or adopts the arena in place, so what
-    they hold counts as free for the new pool."""
+    they hold counts as free for the new pool. A file whose owner still
+    holds its lock is a live service's (another container sharing
+    /dev/shm, under the same address): it keeps its memory, not counted."""
     stems = _stems(opts)
     shm = opts.store.shm_dir
     total = 0
@@ -142,11 +145,19 @@ def leftover_bytes(opts: ServiceOptions) -> int:
         return 0
     for name in names:
         path = os.path.join(shm, name)
-        if path.startswith(stems):
-            try:
-                total += os.stat(path).st_blocks * 512
-            except OSError:
-                pass
+        if not path.startswith(stems):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            total += os.fstat(fd).st_blocks * 512
+        except OSError:
+            pass  # held: its owner lives
+        finally:
+            os.close(fd)
     return total
 
 
