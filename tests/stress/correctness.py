@@ -42,6 +42,7 @@ import httpx
 
 BLOCK = 64
 MAX_TOKENS = 8
+KILL_TOKENS = 200  # the answers of the requests the kill is aimed at
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,9 @@ def workload(n: int, seed: int, max_len: int) -> list[list[int]]:
     return prompts
 
 
-def ask(url: str, prompt: list[int]) -> tuple[list[int], str]:
+def ask(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
     r = httpx.post(url + "/v1/completions", timeout=600,
-                   json={"model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                   json={"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                          "ignore_eos": True, "return_token_ids": True})
     if r.status_code != 200:
         return [], f"HTTP {r.status_code}: {r.text[:200]}"
@@ -106,7 +107,10 @@ def died_with_server(url: str, prompt: list[int]) -> bool:
     """A request that may die with the server (its answer is not compared):
     whether it did. One refused at connect was sent after the server died."""
     try:
-        _, text = ask(url, prompt)
+        # Long answers (never compared): a request stays in the engine
+        # for seconds, so the kill finds some running. Short ones finished
+        # together, batched, and the feeders were all between two requests.
+        _, text = ask(url, prompt, max_tokens=KILL_TOKENS)
     except httpx.ConnectError:
         return False
     except httpx.HTTPError:
