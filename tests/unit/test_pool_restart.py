@@ -55,6 +55,20 @@ def seal(arena: str, slots: list[int | None], ks: list[bytes], corrupt: bool = F
     tier.close()
 
 
+def stop_all(meta: MetaProcess, *placements: PoolPlacement | None) -> None:
+    """The clients first (an open one keeps reconnecting to the service's port), then the service."""
+    for placement in placements:
+        if placement is not None:
+            placement.shutdown()
+    meta.stop()
+
+
+def save(c: PoolPlacement, ks: list[bytes]) -> None:
+    """What an instance does for a save in step 1: its slots filled and sealed, the step completed."""
+    seal(c.arena_path, list(c.prepare_save(ks, step=1)), ks)
+    c.complete_step(1)
+
+
 def wait_connected(c: PoolPlacement) -> None:
     deadline = time.monotonic() + 20
     while not c.connected and time.monotonic() < deadline:
@@ -102,9 +116,7 @@ def test_a_restarted_service_adopts_the_blocks_that_verify_and_nothing_else(tmp_
         assert health["slots"]["held"] == 4
         c.complete_step(1)
     finally:
-        if c is not None:
-            c.shutdown()  # an open client would keep reconnecting to this port
-        meta.stop()
+        stop_all(meta, c)
     assert not any((tmp_path / "shm").iterdir())  # a clean stop removes the arena
 
 
@@ -136,10 +148,7 @@ def test_slots_held_for_a_gone_instance_stay_held_across_a_restart(tmp_path: Pat
         given = b.prepare_save(keys(8, free), step=1)
         assert given.placed == free and not set(late) & set(given)
     finally:
-        for placement in (a, b):
-            if placement is not None:
-                placement.shutdown()
-        meta.stop()
+        stop_all(meta, a, b)
 
 
 def test_a_pool_that_cannot_be_made_yet_keeps_the_old_arena_for_the_next_instance(tmp_path: Path) -> None:
@@ -158,8 +167,7 @@ def test_a_pool_that_cannot_be_made_yet_keeps_the_old_arena_for_the_next_instanc
     try:
         c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i")
         ks = keys(9, 3)
-        seal(c.arena_path, list(c.prepare_save(ks, step=1)), ks)
-        c.complete_step(1)
+        save(c, ks)
         assert c.probe(ks).ready == 3
         arena = c.arena_path
         c.shutdown()
@@ -178,9 +186,7 @@ def test_a_pool_that_cannot_be_made_yet_keeps_the_old_arena_for_the_next_instanc
         assert c.arena_path == arena and c.probe(ks).ready == 3
         assert "3 blocks adopted from the old arena" in meta.log_text()
     finally:
-        if c is not None:
-            c.shutdown()
-        meta.stop()
+        stop_all(meta, c)
 
 
 def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(tmp_path: Path) -> None:
@@ -190,8 +196,7 @@ def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(t
     try:
         c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i")
         ks = keys(5, 2)
-        seal(c.arena_path, list(c.prepare_save(ks, step=1)), ks)
-        c.complete_step(1)
+        save(c, ks)
         old = c.arena_path
         c.shutdown()
         meta.kill()
@@ -201,10 +206,7 @@ def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(t
         assert d.probe(ks).total == 0
         assert "starting cold" in meta.log_text()
     finally:
-        for placement in (c, d):
-            if placement is not None:
-                placement.shutdown()
-        meta.stop()
+        stop_all(meta, c, d)
 
 
 def test_a_stopped_service_holds_up_the_engine_once_then_lookups_miss_at_once(tmp_path: Path) -> None:
@@ -216,8 +218,7 @@ def test_a_stopped_service_holds_up_the_engine_once_then_lookups_miss_at_once(tm
     try:
         c = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="i")
         ks = keys(6, 2)
-        seal(c.arena_path, list(c.prepare_save(ks, step=1)), ks)
-        c.complete_step(1)
+        save(c, ks)
         assert c.probe(ks).ready == 2
         assert c.stalls == 0
         # A short timeout from here on only: the first hello builds the pool,
@@ -240,9 +241,7 @@ def test_a_stopped_service_holds_up_the_engine_once_then_lookups_miss_at_once(tm
         wait_connected(c)
         assert c.probe(ks).ready == 2  # the same service, its blocks still there
     finally:
-        if c is not None:
-            c.shutdown()
-        meta.stop()
+        stop_all(meta, c)
 
 
 def test_a_ready_file_that_cannot_be_written_stops_the_service_with_one_line(tmp_path: Path) -> None:

@@ -25,6 +25,15 @@ def waiter() -> subprocess.Popen:
     return p
 
 
+def refused(s: Serve, match: str) -> None:
+    """``s.start()`` raises ServerError matching ``match``; ``s`` is then stopped, as serve() does."""
+    try:
+        with pytest.raises(ServerError, match=match):
+            s.start()
+    finally:
+        s.stop()
+
+
 def record(folder: Path, procs: list[tuple[str, int, int | None]]) -> None:
     (folder / STATE_FILE).write_text(json.dumps(
         {"processes": [{"role": r, "pid": pid, "start": start} for r, pid, start in procs]}))
@@ -220,23 +229,14 @@ def test_a_serve_starting_holds_its_folder_before_the_meta_service_starts(tmp_pa
     def start(meta, stop=None):
         procs = json.loads((tmp_path / STATE_FILE).read_text())["processes"]
         seen.append(",".join(f"{p['role']}:{p['pid']}" for p in procs))
-        second = Serve("m", 1, tmp_path, out=lambda *_: None)
-        try:
-            with pytest.raises(ServerError, match="another kvtier serve is starting or running there"):
-                second.start()
-        finally:
-            second.stop()
+        refused(Serve("m", 1, tmp_path, out=lambda *_: None), "another kvtier serve is starting or running there")
         assert (tmp_path / STATE_FILE).exists()  # the refused one leaves the first one's record
         first.request_stop()  # stops the start once the meta service is up: no vLLM
         return real_start(meta, stop)
 
     monkeypatch.setattr(serve_mod.MetaProcess, "start", start)
     first = Serve("m", 1, tmp_path, out=lambda *_: None)
-    try:
-        with pytest.raises(ServerError, match="interrupted"):
-            first.start()
-    finally:
-        first.stop()
+    refused(first, "interrupted")
     assert seen == [f"supervisor:{os.getpid()}"]
     assert not (tmp_path / STATE_FILE).exists()
     later = Serve("m", 1, tmp_path, out=lambda *_: None)  # the folder is free again once it stopped
@@ -247,12 +247,8 @@ def test_a_serve_starting_holds_its_folder_before_the_meta_service_starts(tmp_pa
 def test_a_stop_during_the_checks_starts_no_meta_service(tmp_path: Path) -> None:
     s = Serve("m", 1, tmp_path / "logs", out=lambda *_: None)
     s.request_stop()  # kvtier stop, before the meta service was started
-    try:
-        with pytest.raises(ServerError, match="interrupted"):
-            s.start()
-        assert s.meta is None
-    finally:
-        s.stop()
+    refused(s, "interrupted")
+    assert s.meta is None
 
 
 def test_a_port_whose_connections_linger_in_time_wait_is_free_to_serve(tmp_path: Path) -> None:
