@@ -66,6 +66,16 @@ def test_lookup_with_the_ssd_tier_runs_both_stores_with_one(pool):
         ("tcp", "pin", 64), ("tcp", "probe", 16), ("tcp", "probe", 64), ("unix", "pin", 64), ("unix", "probe", 16),
         ("unix", "probe", 64)]
     assert all(len(r["service_s"]) == len(r["embedded_s"]) == 10 for r in calls)
+    probes = [r for r in calls if r.get("call", "probe") == "probe"]
+    assert all(len(r["embedded_known_s"]) == 10 for r in probes)
+    pool.print_lookup(out)  # both peers of a probe in its row, the keys-known one alone in a pin's
+
+
+def test_a_new_request_has_equal_keys_in_new_objects(pool):
+    keys = pool.request_keys(3, 256, 16)
+    fresh = pool.fresh_keys(keys)
+    assert fresh == keys
+    assert not any(a is b for a, b in zip(fresh, keys))
 
 
 def test_timed_calls_pause_between_calls_outside_the_timing(pool, monkeypatch):
@@ -76,6 +86,12 @@ def test_timed_calls_pause_between_calls_outside_the_timing(pool, monkeypatch):
     events.clear()
     pool.time_calls(lambda: events.append("call"), 2)
     assert events == ["call", "call"]
+    # An argument made for each call, before its timing starts.
+    events.clear()
+    made = iter(range(3))
+    monkeypatch.setattr(pool.time, "perf_counter", lambda: events.append("clock") or 0.0)
+    pool.time_calls(lambda x: events.append(("call", x)), 2, make_arg=lambda: events.append("made") or next(made))
+    assert events == ["made", "clock", ("call", 0), "clock", "made", "clock", ("call", 1), "clock"]
 
 
 def test_a_store_that_fails_to_open_leaves_no_folder(pool, monkeypatch):
