@@ -272,3 +272,25 @@ def test_blocks_found_bad_before_a_copy_fails_are_still_reported_corrupt(worker_
     assert w.get_block_ids_with_load_errors() == {9, 10}
     w.wait_for_save(plan)
     assert w.build_report().corrupt_keys == [b"a" * 16]
+
+
+@pytest.mark.parametrize("bad_slot", ["past the end", "negative"])
+def test_a_save_naming_a_slot_outside_the_arena_copies_nothing(worker_and_tier, monkeypatch, bad_slot):
+    # A CPU save copies to raw addresses: a slot the mapped arena does not
+    # have (a placement that disagrees with this worker about the arena)
+    # would be written past the mapping. The step's saves fail instead.
+    w, tier, kv = worker_and_tier
+    bad = tier.num_slots if bad_slot == "past the end" else -2
+    copied = []
+    monkeypatch.setattr("kvtier.connector.worker.gather_sealed", lambda *a, **k: copied.append(a[4]))
+    monkeypatch.setattr("kvtier.connector.worker.gather_blocks", lambda *a, **k: copied.append(a[4]))
+    plan = StepPlan(step=0, arena=tier.path, saves=[BlockCopy(3, 1, b"b" * 16), BlockCopy(4, bad, b"c" * 16)])
+    w.start_load_kv(plan)
+    w.wait_for_save(plan)
+    assert copied == []
+    assert w.build_report().failed_slots == [1, bad]
+    assert not tier.is_sealed(1, b"b" * 16)
+    assert w.get_kv_connector_stats().data["save_errors"] == 2
+    monkeypatch.undo()
+    save(w, tier, 1, block_id=3, slot=1, key=b"b" * 16)  # the next step's saves, in the arena, are kept
+    assert tier.is_sealed(1, b"b" * 16)
