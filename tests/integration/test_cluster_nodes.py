@@ -187,9 +187,10 @@ def test_a_block_saved_on_node_1_is_a_cluster_hit_on_node_2(nodes: tuple[Node, N
         b.shutdown()
 
 
-def test_master_killed_lookups_miss_then_resume(nodes: tuple[Node, Node]) -> None:
-    """kill -9 of Mooncake's master: node 2 answers misses at once, the
-    master node's service restarts it, and hits resume."""
+def test_master_killed_is_restarted_by_its_node_and_hits_resume(nodes: tuple[Node, Node]) -> None:
+    """kill -9 of Mooncake's master: the master node's service restarts it,
+    and node 2 hits node 1's new blocks again. (Lookups while the master is
+    away are misses: test_cluster.py, test_master_down_is_a_fast_miss_and_service_resumes.)"""
     n1, n2 = nodes
     a, b = n1.client("a2"), n2.client("b2")
     try:

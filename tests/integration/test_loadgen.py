@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import subprocess
@@ -200,13 +201,41 @@ def test_arrival_schedules() -> None:
     assert arrival_schedule(50, 10, Arrival.POISSON, seed=2) != poisson[:50]
 
 
+class _StoppedClock:
+    """loadgen's clock, moved only by its own sleeps: the run's schedule is
+    read from the clock, never from how long anything really took."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        await asyncio.sleep(0)
+
+    def __getattr__(self, name: str):  # the rest of asyncio, as it is
+        return getattr(asyncio, name)
+
+
 @pytest.mark.parametrize("arrival", ["fixed", "poisson"])
-def test_no_session_starts_before_its_arrival(flaky_url: str, arrival: str) -> None:
+def test_no_session_starts_before_its_arrival(flaky_url: str, arrival: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.tools.loadgen as loadgen
+
+    clock = _StoppedClock()
+    monkeypatch.setattr(loadgen, "time", clock)
+    monkeypatch.setattr(loadgen, "asyncio", clock)
     opts = BenchOptions(url=flaky_url, concurrency=4, request_rate=20, arrival=arrival, seed=5)
     report = run([Session([f"q{i} ok"]) for i in range(4)], opts)
     due = arrival_schedule(4, 20, Arrival(arrival), seed=5)
     assert sorted(r.session for r in report.results) == [0, 1, 2, 3]
     assert all(r.start_s >= due[r.session] for r in report.results)
+    # It waited for the last arrival and no longer.
+    assert sum(clock.sleeps) == pytest.approx(due[-1])
+    assert max(r.start_s for r in report.results) == pytest.approx(due[-1])
 
 
 def test_a_run_with_no_success_reports_no_latency(flaky_url: str) -> None:
@@ -299,11 +328,29 @@ def test_workloads_load_and_bad_files_are_named(tmp_path: Path) -> None:
         load_workload(str(tmp_path / "missing.jsonl"))
 
 
-def test_stats_live_view_refreshes_and_reports_the_last_interval(flaky_url: str,
-                                                                  capsys: pytest.CaptureFixture) -> None:
+def test_stats_live_view_refreshes_and_reports_the_last_interval(flaky_url: str, capsys: pytest.CaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.tools.stats as stats
+
+    run([Session(["q ok"])], BenchOptions(url=flaky_url))  # the server has counted hits before the view
+    waits = []
+
+    def one_request_per_interval(seconds: float) -> None:
+        waits.append(seconds)
+        run([Session(["q ok"])], BenchOptions(url=flaky_url))
+
+    monkeypatch.setattr(stats.time, "sleep", one_request_per_interval)
     assert cli_main(["stats", "--url", flaky_url, "--interval", "0.05", "--count", "2"]) == 0
+    assert waits == [0.05, 0.05]
     out = capsys.readouterr().out
-    assert "since server start" in out and "last interval" in out and "h_all" in out
+    assert "since server start" in out and "last interval" in out
+    # The last table: one request's 25 host tokens in the interval, at
+    # least three requests' since the server started.
+    host = [line for line in out.splitlines() if "cached tokens: host" in line][-1]
+    total, recent = [int(cell.strip().replace(",", "")) for cell in host.split("│")[2:4]]
+    assert recent == 25 and total >= 75
+    h_all = [line for line in out.splitlines() if "h_all" in line][-1]
+    assert h_all.split("│")[3].strip() == "75.0%"
 
 
 def test_stats_once_shows_hit_rates_and_tiers(flaky_url: str, capsys: pytest.CaptureFixture) -> None:

@@ -255,7 +255,8 @@ def test_block_from_another_node_is_fetched_verified_and_counted(node: TieredSto
     assert c["cluster_published"] == 0
 
 
-def test_save_is_published_and_found_by_the_other_node(node: TieredStore, peer: Peer) -> None:
+def test_save_is_published_to_the_cluster(node: TieredStore, peer: Peer) -> None:
+    # (The other way round, a peer's blocks fetched here byte for byte: the test above.)
     keys = [block_key(7, i) for i in range(3)]
     save_blocks(node, keys, 0, seed=7)
     node.wait_idle(30)

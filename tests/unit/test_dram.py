@@ -423,12 +423,24 @@ def shm_dir(tmp_path):
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _flocks_on(path: str) -> int:
+    """How many flock locks the kernel lists on ``path``'s file (/proc/locks)."""
+    st = os.stat(path)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with open("/proc/locks") as f:
+        return sum(1 for line in f if "FLOCK" in line and ident in line.split())
+
+
 def test_the_owner_holds_an_exclusive_lock_and_workers_none(shm_path: str) -> None:
     owner = DramTier.create(shm_path, 1 << 16, 4096)
     try:
         assert _locked_elsewhere(shm_path)
+        assert _flocks_on(shm_path) == 1
         attached = DramTier.attach(shm_path)  # does not wait for the owner's lock
-        attached.close()
+        try:
+            assert _flocks_on(shm_path) == 1  # the owner's: the worker takes none
+        finally:
+            attached.close()
     finally:
         owner.close()
     assert not os.path.exists(shm_path)

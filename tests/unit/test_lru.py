@@ -6,13 +6,9 @@ import random
 
 import pytest
 
-from kvtier.policy import EvictionPolicy, LruPolicy
+from kvtier.policy import LruPolicy
 
 K = [bytes([i]) * 16 for i in range(8)]
-
-
-def test_is_an_eviction_policy() -> None:
-    assert isinstance(LruPolicy(), EvictionPolicy)
 
 
 def test_insertion_order_is_eviction_order() -> None:
