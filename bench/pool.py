@@ -412,7 +412,9 @@ def scale_loop(placement: Placement, tier: DramTier, shared: list[bytes], seed: 
             if not keys:
                 continue
             step += 1
-            request = fresh_keys(keys)  # a new request's keys: not hashed yet (not measured)
+            # A new request's keys, not hashed yet: made outside the probe's timing, inside
+            # the loop's (about 50 us for 1,024 keys, on every side alike).
+            request = fresh_keys(keys)
             t = time.perf_counter()
             hit = placement.probe(request).ready
             if keys is shared:

@@ -133,6 +133,22 @@ def test_saves_of_a_step_whose_load_failed_are_failed_once_their_copies_end(devi
     assert not tier.is_sealed(0, KEY_A)
 
 
+@pytest.mark.parametrize("bad_slot", [8, -1])  # past the 8-slot arena's end; negative: indexed from the end
+@pytest.mark.parametrize("announce", [("l0", "l1"), ()])  # vLLM announces each layer, or none
+def test_device_saves_naming_a_slot_outside_the_arena_copy_nothing(device_worker, bad_slot, announce) -> None:
+    w, tier, stream = device_worker
+    plan = StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A), BlockCopy(4, bad_slot, KEY_B)])
+    report = step(w, plan, announce=announce)
+    assert stream.saved_layers == []
+    assert report is not None and report.done == {1: 1} and report.failed_slots == [0, bad_slot]
+    assert not tier.is_sealed(0, KEY_A) and not tier.is_sealed(7, KEY_B)
+    assert w.get_kv_connector_stats().data["save_errors"] == 2  # counted once
+    plan = StepPlan(step=2, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)])  # the next step saves as before
+    assert step(w, plan, announce=announce) is None
+    stream.events[-1].finished = True
+    assert step(w, StepPlan(step=3, arena=tier.path)).done == {2: 1} and tier.verify(0, KEY_A, 0)
+
+
 def test_a_delayed_free_is_reported_once_its_saves_are_settled(device_worker) -> None:
     w, tier, stream = device_worker
     step(w, StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)]))

@@ -186,25 +186,19 @@ class WorkerSide:
                  "not write into memory the host left cold (kv_warm_interval_s)", self._warmer.bytes >> 20,
                  self.warm_interval_s)
 
-    def _attach_for_saves(self, plan: StepPlan) -> bool:
-        """:meth:`_attach` the plan's arena, and check that every save's slot
-        lies in it. A CPU save copies to raw addresses (memmove): a slot
-        past the arena's end would write past its mapping. Such a plan
-        (the placement and this worker disagree on the arena) fails all
-        its step's saves; a load's slot is checked with its header."""
-        if not self._attach(plan.arena):
-            return False
-        out = self._slots_outside(plan)
+    def _slots_in_arena(self, plan: StepPlan) -> bool:
+        """Whether every save of ``plan`` names a slot of the mapped arena
+        (attached first). A CPU save copies to raw addresses (memmove): a
+        slot past the arena's end would be written past its mapping, and a
+        device copy's negative slot would index from the end. A plan that
+        names one (the placement and this worker disagree on the arena)
+        fails all its step's saves; a load's slot is checked with its header."""
+        n = self._tier.num_slots if self._tier is not None else 0
+        out = [c.slot for c in plan.saves if not 0 <= c.slot < n]
         if out:
             log.error("kvtier: %d of the step's %d saves name slots outside the arena %s (%d slots, e.g. slot %d); "
-                      "none is saved", len(out), len(plan.saves), plan.arena, self._tier.num_slots, out[0])
-            self._stats.add("save_errors", len(plan.saves))
+                      "none is saved", len(out), len(plan.saves), plan.arena, n, out[0])
         return not out
-
-    def _slots_outside(self, plan: StepPlan) -> list[int]:
-        """The slots of ``plan``'s saves that the mapped arena does not have."""
-        n = self._tier.num_slots if self._tier is not None else 0
-        return [c.slot for c in plan.saves if not 0 <= c.slot < n]
 
     def _attach(self, path: str) -> bool:
         """Map the arena at ``path``; a plan naming another arena than the
@@ -524,10 +518,15 @@ class WorkerSide:
             return
         index = self._layer_index.get(layer_name)
         self._saving_step(plan.step)
-        if (index is None or index in self._saved_layers or not self._attach(plan.arena)
-                or self._slots_outside(plan)):
-            return  # (wait_for_save says why, once a step)
-        self._held_step(plan.step).arena = plan.arena  # the step's slots are now being written
+        if index is None or index in self._saved_layers or not self._attach(plan.arena):
+            return
+        held = self._held_step(plan.step)
+        if held.failed:
+            return
+        if not self._saved_layers and not self._slots_in_arena(plan):  # once a step, at its first layer
+            held.failed = True  # (counted when the step settles)
+            return
+        held.arena = plan.arena  # the step's slots are now being written
         self._copies.save_layer(index, self._layers[index], self.layout, [c.block_id for c in plan.saves],
                                 self._slots, [c.slot for c in plan.saves])
         self._saved_layers.add(index)
@@ -548,8 +547,12 @@ class WorkerSide:
             # none of the step's saves may be published.
             report.failed_slots.extend(c.slot for c in plan.saves)
             return
-        if not self._attach_for_saves(plan):
+        if not self._attach(plan.arena):
             report.failed_slots.extend(c.slot for c in plan.saves)
+            return
+        if not self._slots_in_arena(plan):
+            report.failed_slots.extend(c.slot for c in plan.saves)
+            self._stats.add("save_errors", len(plan.saves))
             return
         t0 = time.perf_counter()
         blocks = [c.block_id for c in plan.saves]
@@ -636,7 +639,7 @@ class WorkerSide:
         held.registered = True
         self._join_verification()  # the step's load errors must be known before anything is published
         held.failed = (held.failed or self._step_load_failed or bool(self._load_errors)
-                       or not self._attach_for_saves(plan))
+                       or not self._attach(plan.arena) or not self._slots_in_arena(plan))
         held.arena = plan.arena
         if not held.failed:
             try:
