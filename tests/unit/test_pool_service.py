@@ -1264,3 +1264,26 @@ def test_metrics_and_health_on_an_ipv6_loopback(service: MetaService) -> None:
         assert "kvtier_pool_clients" in httpx.get(h.url + "/metrics", timeout=5).text
     finally:
         h.stop()
+
+
+@pytest.mark.parametrize(("method", "path", "code"), [("POST", "/batch_query_keys", 413), ("PUT", "/health", 405)],
+                         ids=["too-long", "wrong-method"])
+def test_a_client_that_sends_a_body_the_service_refuses_reads_the_refusal(http_server: PoolHttp, method: str,
+                                                                           path: str, code: int) -> None:
+    """Refused before its body is read (3 MiB, more than the socket's
+    buffers take at once): the client still reads the whole reply, and
+    the service goes on serving."""
+    host, port = http_server.server.server_address[:2]
+    body = b"{" + b" " * (3 << 20)
+    for _ in range(3):
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            try:
+                s.sendall(body)
+            except OSError:
+                pass  # the server stopped reading: the reply must still be there
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        assert data.startswith(f"HTTP/1.0 {code} ".encode()), data[:80]
+    assert httpx.get(http_server.url + "/health", timeout=5).status_code == 200
