@@ -282,6 +282,7 @@ def _size(args: argparse.Namespace) -> int:
         host = sizing.host_memory_bytes(args.devices or kv.devices, dram, staging)
         print(f"host memory: {args.devices or kv.devices} device(s) x ({dram / gib:.1f} GiB DRAM tier + "
               f"{staging / gib:.1f} GiB SSD staging) = {host / gib:.1f} GiB")
+        print(sizing.format_page_tables((args.devices or kv.devices) * dram))
         page = sizing.hugepage_size_bytes()
         buffer = parse_size("--hugepage-buffer", args.hugepage_buffer, allow_zero=True)
         n = sizing.hugepages_for(host, page, buffer)

@@ -490,6 +490,9 @@ def test_totals_follow_the_seed_formula(tmp_path: Path) -> None:
     text = format_pool_totals(t)
     assert "8 device(s) x (20.0 GiB DRAM tier + 10.0 GiB SSD staging) = 240.0 GiB host memory" in text
     assert "DRAM arena of the node: 160.0 GiB" in text and "/tmp/kvtier-ssd" in text
+    # 160 GiB of 4 KiB pages: 41,943,040 entries of 8 bytes; of 2 MiB pages, 81,920.
+    assert "page tables: 320 MiB in each process that maps the arena" in text
+    assert "640 KiB on 2 MiB huge pages" in text
 
 
 def test_a_pool_the_host_cannot_hold_is_refused_naming_the_keys_it_comes_from(tmp_path: Path) -> None:

@@ -139,6 +139,8 @@ def test_cli_size(tmp_path: Path, capsys) -> None:
     assert "2 device(s) x (1.0 GiB DRAM tier + 1.0 GiB SSD staging) = 4.0 GiB" in out
     page = sizing.hugepage_size_bytes()
     assert f"huge pages: {-(-(4 << 30) // page)} of {page >> 10} kB" in out
+    # The arena (2 x 1 GiB) on 4 KiB pages: 524,288 entries of 8 bytes; on 2 MiB pages, 1,024.
+    assert "page tables: 4 MiB in each process that maps the arena" in out and "8 KiB on 2 MiB huge pages" in out
     assert cli_main(["size"]) == 2
 
 

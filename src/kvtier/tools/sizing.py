@@ -12,7 +12,9 @@ size: N tokens" for the instance). From there:
   watermark);
 * host memory for the pool = devices x (DRAM tier + SSD staging memory),
   from flags or from the pool's config files (:func:`pool_totals`);
-* huge pages for a size, in units of /proc/meminfo's Hugepagesize.
+* huge pages for a size, in units of /proc/meminfo's Hugepagesize;
+* the page tables each process mapping the arena needs (1/512 of the
+  arena on 4 KiB pages, 1/262,144 on 2 MiB pages).
 """
 
 from __future__ import annotations
@@ -200,6 +202,21 @@ def format_pool_totals(t: PoolTotals) -> str:
     head = (f"pool ({where}): {t.devices} device(s) x ({t.dram_per_device_bytes / gib:.1f} GiB DRAM tier + "
             f"{t.staging_per_device_bytes / gib:.1f} GiB SSD staging) = {t.host_bytes / gib:.1f} GiB host memory")
     lines = [head, f"  DRAM arena of the node: {t.dram_bytes / gib:.1f} GiB"]
+    lines.append("  " + format_page_tables(t.dram_bytes))
     if t.ssd_paths:
         lines.append(f"  SSD tier: {':'.join(t.ssd_paths)}")
     return "\n".join(lines)
+
+
+def format_page_tables(arena_bytes: int) -> str:
+    return (f"page tables: {page_table_bytes(arena_bytes) / (1 << 20):,.0f} MiB in each process that maps the "
+            f"arena (the meta service and every vLLM worker) on 4 KiB pages, "
+            f"{page_table_bytes(arena_bytes, 2 << 20) / 1024:,.0f} KiB on 2 MiB huge pages")
+
+
+def page_table_bytes(mapped_bytes: int, page_bytes: int = 4096) -> int:
+    """The last level of page tables a process needs to map ``mapped_bytes``
+    (8 bytes an entry, a page an entry). Every process that maps the arena
+    fills its own: the arena is mapped with MAP_POPULATE, and x86 shares no
+    page tables of shared memory between processes (hugetlbfs aside)."""
+    return -(-mapped_bytes // page_bytes) * 8
