@@ -132,6 +132,7 @@ class _Entry(msgspec.Struct, gc=False):
     cluster_epoch: int = -1  # the cluster mover's epoch in which it was published (or fetched): in the cluster while it lasts
     failed_epoch: int = -1  # the epoch in which a put of it failed: evicted as a plain block, not published again on the way out
     from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
+    since: float = 0.0  # PROMOTING: when its move began (time.monotonic())
 
 
 class SaveSlots(list):
@@ -259,6 +260,12 @@ class TieredStore:
     # Blocks a save or promotion frees beyond its own while DRAM runs down
     # from the high mark to the low one (_make_room_locked).
     EVICT_SLICE = 1024
+    # A move into DRAM (an SSD read, a cluster fetch) not done after this
+    # long has stalled (a hung disk, a peer stopped mid-transfer): lookups
+    # stop counting its block, so requests with the prefix recompute at
+    # once instead of each waiting out the scheduler's promote_timeout_s
+    # (5 s by default). Its DRAM slot stays held until the move ends.
+    STALE_MOVE_S = 5.0
 
     def __init__(self, tier: DramTier, high_pct: float = 95.0, low_pct: float = 85.0,
                  policy: EvictionPolicy | None = None, *, ssd: SsdTier | None = None,
@@ -443,6 +450,7 @@ class TieredStore:
             base = plain
             window = 1
             ssd_only = False  # a key counted is held on SSD only (not in the DRAM policy)
+            stale_before: float | None = None  # moves begun before this have stalled (read at the first one)
             for key in itertools.islice(keys, plain, None):
                 e = entries.get(key)
                 if e is None:
@@ -474,6 +482,10 @@ class TieredStore:
                     total += 1
                     continue
                 if state is promoting:
+                    if stale_before is None:
+                        stale_before = time.monotonic() - self.STALE_MOVE_S
+                    if e.since < stale_before:
+                        break  # stalled: a miss now, not a wait (STALE_MOVE_S)
                     total += 1
                     continue
                 break  # PENDING: being written, not readable yet
@@ -531,12 +543,15 @@ class TieredStore:
         fetches: list[tuple[bytes, int]] = []
         moving = 0
         with self._lock:
+            now = time.monotonic()
             wanted: list[bytes] = []
             remote: list[bytes] = []  # held nowhere in the node pool: fetched from the cluster tier
             for key in keys:
                 e = self._entries.get(key)
                 if e is not None:
                     if e.state is EntryState.PROMOTING:
+                        if e.since < now - self.STALE_MOVE_S:
+                            break  # stalled: not on its way, nor is the prefix past it
                         moving += 1
                     continue
                 s = self._ssd_entries.get(key)
@@ -563,12 +578,12 @@ class TieredStore:
                 self.tier.clear(slot, key)
                 if i < len(wanted):
                     s = self._ssd_entries[key]
-                    self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, on_ssd=True)
+                    self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, on_ssd=True, since=now)
                     self._odd.add(key)
                     s.pins += 1
                     jobs.append((key, slot, s.loc, s.rec))  # type: ignore[arg-type]
                 else:
-                    self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, from_cluster=True)
+                    self._entries[key] = _Entry(slot, EntryState.PROMOTING, -1, from_cluster=True, since=now)
                     self._odd.add(key)
                     fetches.append((key, slot))
                 self._policy.insert(key)

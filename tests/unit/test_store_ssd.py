@@ -21,6 +21,8 @@ import hashlib
 import mmap
 import os
 import threading
+import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -28,6 +30,7 @@ import torch
 import xxhash
 
 from kvtier.errors import TierIOError
+import kvtier.store as store_module
 from kvtier.store import Probe, TieredStore
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
@@ -435,6 +438,32 @@ def test_promoting_blocks_are_counted_but_not_readable(make_store, disk: DiskIo)
     assert store.probe(KEYS[:2]) == Probe(2, 2)
     assert [dram_bytes(store, k) for k in KEYS[:2]] == [block(k) for k in KEYS[:2]]
     assert store.counters()["blocks_promoted"] == 2
+
+
+def test_a_stalled_promotion_is_a_miss_not_a_wait_and_its_block_comes_when_the_read_ends(
+        make_store, disk: DiskIo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk read that hangs: once the move is older than STALE_MOVE_S,
+    lookups stop at its block (each request with the prefix would
+    otherwise wait out the scheduler's promote_timeout_s), and promote()
+    does not count it on its way. Its slot stays held; the block counts
+    again once the read ends."""
+    store = make_store()
+    save_each(store, KEYS[:9])
+    assert store.probe(KEYS[:2]) == Probe(0, 2)  # both on SSD only
+    disk.reads.clear()
+    assert store.promote(KEYS[:2]) == 2
+    assert store.probe(KEYS[:2]) == Probe(0, 2)  # on their way: counted
+    later = time.monotonic() + TieredStore.STALE_MOVE_S + 1
+    monkeypatch.setattr(store_module, "time", types.SimpleNamespace(monotonic=lambda: later))  # the store's clock only
+    assert store.probe(KEYS[:2]) == Probe(0, 0)  # stalled: a miss at once
+    assert store.promote(KEYS[:2]) == 0
+    assert store.pin(KEYS[:2], step=60) == [None, None] and store.discard(KEYS[:2]) == 0  # still held
+    monkeypatch.undo()
+    disk.reads.set()
+    assert store.wait_idle()
+    store.complete_step(60)
+    assert store.probe(KEYS[:2]) == Probe(2, 2)
+    assert [dram_bytes(store, k) for k in KEYS[:2]] == [block(k) for k in KEYS[:2]]
 
 
 def test_promoted_block_evicted_again_is_not_rewritten(make_store, disk: DiskIo) -> None:
