@@ -88,6 +88,10 @@ class MoverHost(Protocol):
         meanwhile): its header must be emptied, then the slot freed."""
         ...
 
+    def _moves_begin_locked(self, keys: Sequence[bytes]) -> None:
+        """The reads (or fetches) of ``keys`` into DRAM start now."""
+        ...
+
     def _end_promotion_locked(self, key: bytes, ok: bool, io_error: bool) -> int | None:
         """The read of ``key`` into DRAM ended; returns an SSD slot whose
         header must be emptied, then the slot freed, or None."""
@@ -325,6 +329,8 @@ class TierMover(_Jobs):
     def _promote(self, jobs: list[PromoteJob]) -> None:
         ssd, tier = self._ssd, self._tier
         assert ssd is not None
+        with self._lock:
+            self._host._moves_begin_locked([key for key, *_ in jobs])
         results = []
         for key, slot, loc, rec in jobs:
             io_error = False
@@ -431,6 +437,10 @@ class RemoteTier(Protocol):
 
 class ClusterHost(Protocol):
     """What a cluster mover's jobs ask of the store, each under the store's lock."""
+
+    def _moves_begin_locked(self, keys: Sequence[bytes]) -> None:
+        """The fetches of ``keys`` into DRAM start now."""
+        ...
 
     def _end_fetch_locked(self, key: bytes, outcome: Fetched, epoch: int) -> None:
         """The fetch of ``key`` into its PROMOTING entry's DRAM slot, begun
@@ -793,6 +803,8 @@ class ClusterMover(_Jobs):
 
     def _fetch(self, jobs: list[tuple[bytes, int]]) -> None:
         keys = [k for k, _ in jobs]
+        with self._lock:
+            self._host._moves_begin_locked(keys)
         epoch = self.epoch  # what a fetched block is known to be in the cluster for
         asked = self._up  # read once: a cluster down is asked nothing, and nothing is shunned for it
         try:

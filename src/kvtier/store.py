@@ -132,7 +132,8 @@ class _Entry(msgspec.Struct, gc=False):
     cluster_epoch: int = -1  # the cluster mover's epoch in which it was published (or fetched): in the cluster while it lasts
     failed_epoch: int = -1  # the epoch in which a put of it failed: evicted as a plain block, not published again on the way out
     from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
-    since: float = 0.0  # PROMOTING: when its move began (time.monotonic())
+    since: float = 0.0  # PROMOTING: when its move was handed over, then when its read or fetch began
+    stalled: bool = False  # PROMOTING: a lookup found it running past STALE_MOVE_S (counted once)
 
 
 class SaveSlots(list):
@@ -189,6 +190,7 @@ class EventCounts:
     ssd_read_errors: int = 0  # SSD copies that could not be read back (then forgotten)
     ssd_evictions: int = 0
     corrupt_dram: int = 0  # DRAM blocks found bad before demotion
+    moves_stalled: int = 0  # reads or fetches into DRAM that a lookup found running past STALE_MOVE_S
     ssd_write_give_ups: int = 0  # 1 once SSD writes stopped after DEMOTE_GIVE_UP failed batches in a row
     # The cluster tier (all 0 without one).
     cluster_lookups: int = 0  # keys asked about
@@ -260,11 +262,14 @@ class TieredStore:
     # Blocks a save or promotion frees beyond its own while DRAM runs down
     # from the high mark to the low one (_make_room_locked).
     EVICT_SLICE = 1024
-    # A move into DRAM (an SSD read, a cluster fetch) not done after this
-    # long has stalled (a hung disk, a peer stopped mid-transfer): lookups
-    # stop counting its block, so requests with the prefix recompute at
-    # once instead of each waiting out the scheduler's promote_timeout_s
-    # (5 s by default). Its DRAM slot stays held until the move ends.
+    # A move into DRAM (an SSD read, a cluster fetch) still running this
+    # long after it began (not after it was queued) has stalled: a hung
+    # disk, a peer stopped mid-transfer. Lookups stop counting its block
+    # (``moves_stalled`` counts it once, with a warning), so requests with
+    # the prefix recompute at once instead of each waiting out the
+    # scheduler's promote_timeout_s (5 s by default; a longer one is
+    # capped by this for such a move). Its DRAM slot stays held until the
+    # move ends.
     STALE_MOVE_S = 5.0
 
     def __init__(self, tier: DramTier, high_pct: float = 95.0, low_pct: float = 85.0,
@@ -485,7 +490,9 @@ class TieredStore:
                     if stale_before is None:
                         stale_before = time.monotonic() - self.STALE_MOVE_S
                     if e.since < stale_before:
-                        break  # stalled: a miss now, not a wait (STALE_MOVE_S)
+                        if not e.stalled:
+                            self._stalled_locked(key, e)
+                        break  # a miss now, not a wait (STALE_MOVE_S)
                     total += 1
                     continue
                 break  # PENDING: being written, not readable yet
@@ -505,6 +512,22 @@ class TieredStore:
         # are fetched by promote().
         remote = self._cluster.lookup(keys[total : total + self._cluster_lookup])
         return Probe(ready, total + remote, remote)
+
+    def _stalled_locked(self, key: bytes, e: _Entry) -> None:
+        e.stalled = True
+        self._c.moves_stalled += 1
+        log.warning("kvtier: %s of block %s has run for over %.0f s; lookups count it as a miss until it ends",
+                    "the cluster fetch" if e.from_cluster else "the SSD read", key.hex()[:16], self.STALE_MOVE_S)
+
+    def _moves_begin_locked(self, keys: Sequence[bytes]) -> None:
+        """The movers' reads or fetches of ``keys`` start now: the time a
+        move may take before it counts as stalled runs from here, not from
+        when it was queued."""
+        now = time.monotonic()
+        for key in keys:
+            e = self._entries.get(key)
+            if e is not None and e.state is EntryState.PROMOTING:
+                e.since = now
 
     def refresh(self) -> None:
         """Refresh the recency of the runs that ``probe(refresh=False)``
@@ -533,7 +556,7 @@ class TieredStore:
         """Start reading the SSD-only ``keys`` into DRAM; returns how many of
         ``keys`` are on their way: PROMOTING, or waiting for DRAM slots that
         demotions in flight are about to free. Stops at the first key that
-        is not on SSD."""
+        is not on SSD, and at one whose move has stalled (STALE_MOVE_S)."""
         if self.ssd is None and self._cluster is None:
             return 0
         # A key given twice would get two PROMOTING entries, the first one's
@@ -1539,7 +1562,7 @@ class TieredStore:
             "evicted_without_copy": c.evicted_without_copy, "blocks_promoted": c.promotions,
             "promote_failures": c.promote_failures, "ssd_corrupt_blocks": c.ssd_corrupt,
             "ssd_read_errors": c.ssd_read_errors,
-            "ssd_evictions": c.ssd_evictions, "corrupt_blocks": c.corrupt_dram,
+            "ssd_evictions": c.ssd_evictions, "corrupt_blocks": c.corrupt_dram, "moves_stalled": c.moves_stalled,
             "ssd_write_give_ups": c.ssd_write_give_ups, "pins_expired": c.pins_expired,
             "dram_slots_used": self.used_slots,
             "dram_slots_total": self.tier.num_slots, "ssd_slots_used": len(self._ssd_entries),

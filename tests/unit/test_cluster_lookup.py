@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvtier.cluster.client import Fetched
-from kvtier.store import TieredStore
+from kvtier.store import Probe, TieredStore
 from kvtier.tier.ssd import IoOps
 from kvtier.tools.server import poll_until
 from tests.unit.helpers import store_on_remote
@@ -172,3 +172,27 @@ def test_a_wait_for_progress_ends_with_a_fetch_while_an_ssd_job_still_runs(make_
         assert not waiter.is_alive() and store._mover.busy
         io.writes.set()
         assert store.wait_idle(30)
+
+
+def test_a_fetch_stalled_past_its_limit_is_a_miss_to_lookups_until_it_ends(make_tier,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer stopped mid-transfer: Mooncake's call does not return. Once
+    the fetch has run past STALE_MOVE_S, lookups stop before its block (a
+    request would otherwise wait out promote_timeout_s, and so would every
+    later one with the prefix), and the cluster is not asked for it again;
+    its DRAM slot stays taken until the call returns."""
+    remote = HeldFetch()
+    with store_on_remote(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), remote, remote.release.set) as store:
+        key = os.urandom(16)
+        assert store.probe([key]) == Probe(0, 1, 1)  # in the cluster only
+        assert store.promote([key]) == 1
+        assert store.probe([key]) == Probe(0, 1)  # on its way
+        used = store.counters()["dram_slots_used"]
+        monkeypatch.setattr(store, "STALE_MOVE_S", -1.0)  # every move running counts as stalled
+        assert store.probe([key]) == Probe(0, 0)
+        assert store.promote([key]) == 0
+        c = store.counters()
+        assert c["moves_stalled"] == 1 and c["dram_slots_used"] == used
+        remote.release.set()  # the call returns (an error): the slot is freed, the block a miss
+        assert poll_until(lambda: store.counters()["cluster_fetch_errors"] == 1, 10)
+        assert store.counters()["dram_slots_used"] == used - 1

@@ -21,8 +21,6 @@ import hashlib
 import mmap
 import os
 import threading
-import time
-import types
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
@@ -30,7 +28,6 @@ import torch
 import xxhash
 
 from kvtier.errors import TierIOError
-import kvtier.store as store_module
 from kvtier.store import Probe, TieredStore
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
@@ -453,11 +450,15 @@ def test_a_stalled_promotion_is_a_miss_not_a_wait_and_its_block_comes_when_the_r
     disk.reads.clear()
     assert store.promote(KEYS[:2]) == 2
     assert store.probe(KEYS[:2]) == Probe(0, 2)  # on their way: counted
-    later = time.monotonic() + TieredStore.STALE_MOVE_S + 1
-    monkeypatch.setattr(store_module, "time", types.SimpleNamespace(monotonic=lambda: later))  # the store's clock only
+    used = store.counters()["dram_slots_used"]
+    monkeypatch.setattr(store, "STALE_MOVE_S", -1.0)  # every move running counts as stalled
     assert store.probe(KEYS[:2]) == Probe(0, 0)  # stalled: a miss at once
     assert store.promote(KEYS[:2]) == 0
-    assert store.pin(KEYS[:2], step=60) == [None, None] and store.discard(KEYS[:2]) == 0  # still held
+    assert store.probe(KEYS[:2]) == Probe(0, 0)
+    assert store.counters()["moves_stalled"] == 1  # the first block, once: the lookups stop there
+    # Still held: its slot is in use, nothing may read or take it.
+    assert store.counters()["dram_slots_used"] == used
+    assert store.pin(KEYS[:2], step=60) == [None, None] and store.discard(KEYS[:2]) == 0
     monkeypatch.undo()
     disk.reads.set()
     assert store.wait_idle()

@@ -21,7 +21,7 @@ COUNTERS = (
     "evictions", "corrupt_blocks",
     "blocks_demoted", "demote_failures", "evicted_without_copy",
     "blocks_promoted", "promote_failures", "ssd_corrupt_blocks", "ssd_read_errors",
-    "ssd_evictions", "ssd_write_give_ups",
+    "ssd_evictions", "ssd_write_give_ups", "moves_stalled",
     # The cluster tier (counted apart): blocks fetched from other nodes, published, and the
     # ones the cluster said it held but that could not be used, by cause.
     "cluster_hits", "cluster_fetched", "cluster_gone", "cluster_corrupt", "cluster_fetch_errors",

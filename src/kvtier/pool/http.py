@@ -156,7 +156,7 @@ class _PoolCollector:
             c = store.counters()
             for name in ("evictions", "blocks_demoted", "demote_failures", "evicted_without_copy",
                          "blocks_promoted", "promote_failures", "ssd_evictions", "ssd_corrupt_blocks",
-                         "ssd_read_errors", "corrupt_blocks", "pins_expired"):
+                         "ssd_read_errors", "corrupt_blocks", "pins_expired", "moves_stalled"):
                 events.add_metric([name], c.get(name, 0))
         events.add_metric(["sessions_started"], svc.sessions_started)
         events.add_metric(["sessions_expired"], svc.sessions_expired)
