@@ -103,33 +103,48 @@ def ask(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list
     return list(choice.get("token_ids") or []), choice["text"]
 
 
-def died_with_server(url: str, prompt: list[int]) -> bool:
+def died_with_server(url: str, prompt: list[int], streaming: threading.Event) -> bool:
     """A request that may die with the server (its answer is not compared):
-    whether it did. One refused at connect was sent after the server died."""
+    whether it did. Streamed: ``streaming`` is set once its first tokens
+    come, so the engine is then generating it. One refused at connect was
+    sent after the server died."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": KILL_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
     try:
         # Long answers (never compared): a request stays in the engine
-        # for seconds, so the kill finds some running. Short ones finished
-        # together, batched, and the feeders were all between two requests.
-        _, text = ask(url, prompt, max_tokens=KILL_TOKENS)
+        # for a while, so the kill finds some running.
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                r.read()
+                # 5xx: the API server outlived its engine for a moment.
+                return r.status_code >= 500
+            finished = False
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    finished = True
+                elif line.startswith("data: "):
+                    if '"error"' in line:
+                        return True  # the API server's word that its engine died under the request
+                    streaming.set()
+        return not finished  # cut short: died; answered in full before the kill: not
     except httpx.ConnectError:
         return False
     except httpx.HTTPError:
         return True
-    # An answer of 5xx: the API server outlived its engine for a moment.
-    return text.startswith("HTTP 5")
 
 
 def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int) -> int:
     """SIGKILL every process of the server while ``prompts`` are being
     served, ``concurrency`` at a time, over and over until the kill (one
-    pass can end between two looks at the engine); returns how many
-    requests died with it (0: the kill missed them)."""
+    pass can end between two looks); returns how many requests died with
+    it (0: the kill missed them)."""
     killed = threading.Event()
+    streaming = threading.Event()  # a request's tokens are coming: the engine is on it
 
     def feed(first: int) -> bool:
         i = first
         while not killed.is_set():
-            if died_with_server(srv.url, prompts[i % len(prompts)]):
+            if died_with_server(srv.url, prompts[i % len(prompts)], streaming):
                 return True
             i += concurrency
         return False
@@ -143,10 +158,11 @@ def kill_with_requests_in_flight(srv, prompts: list[list[int]], concurrency: int
     srv.shm_files |= vllm_shm_files(pids)
     with ThreadPoolExecutor(concurrency) as pool:
         futs = [pool.submit(feed, k) for k in range(concurrency)]
-        deadline = time.monotonic() + 60
-        # Kill once the engine is working on them (loading, computing, saving).
-        while not srv.metrics().get("vllm:num_requests_running", 0.0) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # Kill once the engine is generating one of them (a gauge of the
+        # server's /metrics was no sign: it keeps the last value of the
+        # phase before until the next step, and the kill came before the
+        # feeders' first requests had reached the server).
+        streaming.wait(60)
         # The feeders go on until the processes are gone: a request refused
         # at connect was sent after the kill, and is not counted.
         signal_pids(pids, signal.SIGKILL)
