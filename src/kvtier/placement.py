@@ -133,7 +133,8 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
                            recovered=recovered, cluster=remote,
                            publish_on_evict=cluster is not None and cluster.publish_on is PublishOn.EVICT,
                            cluster_timeout_s=cluster.timeout_s if cluster is not None else 2.0,
-                           cluster_lookup_blocks=cluster.lookup_blocks if cluster is not None else 256)
+                           cluster_lookup_blocks=cluster.lookup_blocks if cluster is not None else 256,
+                           stale_move_s=cfg.promote_timeout_s)
     except BaseException:
         if ssd is not None:
             ssd.discard()  # the files it created go too

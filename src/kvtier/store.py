@@ -133,7 +133,7 @@ class _Entry(msgspec.Struct, gc=False):
     failed_epoch: int = -1  # the epoch in which a put of it failed: evicted as a plain block, not published again on the way out
     from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
     since: float = 0.0  # PROMOTING: when its move was handed over, then when its read or fetch began
-    stalled: bool = False  # PROMOTING: a lookup found it running past STALE_MOVE_S (counted once)
+    stalled: bool = False  # PROMOTING: a lookup found it running past stale_move_s (counted once)
 
 
 class SaveSlots(list):
@@ -190,7 +190,7 @@ class EventCounts:
     ssd_read_errors: int = 0  # SSD copies that could not be read back (then forgotten)
     ssd_evictions: int = 0
     corrupt_dram: int = 0  # DRAM blocks found bad before demotion
-    moves_stalled: int = 0  # reads or fetches into DRAM that a lookup found running past STALE_MOVE_S
+    moves_stalled: int = 0  # reads or fetches into DRAM that a lookup found running past stale_move_s
     ssd_write_give_ups: int = 0  # 1 once SSD writes stopped after DEMOTE_GIVE_UP failed batches in a row
     # The cluster tier (all 0 without one).
     cluster_lookups: int = 0  # keys asked about
@@ -267,9 +267,8 @@ class TieredStore:
     # disk, a peer stopped mid-transfer. Lookups stop counting its block
     # (``moves_stalled`` counts it once, with a warning), so requests with
     # the prefix recompute at once instead of each waiting out the
-    # scheduler's promote_timeout_s (5 s by default; a longer one is
-    # capped by this for such a move). Its DRAM slot stays held until the
-    # move ends.
+    # scheduler's promote_timeout_s (5 s by default). Its DRAM slot stays
+    # held until the move ends. The least a store takes (``stale_move_s``).
     STALE_MOVE_S = 5.0
 
     def __init__(self, tier: DramTier, high_pct: float = 95.0, low_pct: float = 85.0,
@@ -279,8 +278,11 @@ class TieredStore:
                  recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]] = (),
                  cluster: RemoteTier | None = None, publish_on_evict: bool = False,
                  cluster_timeout_s: float = 2.0, cluster_lookup_blocks: int = 256,
-                 cluster_queue_blocks: int = 1024) -> None:
+                 cluster_queue_blocks: int = 1024, stale_move_s: float = STALE_MOVE_S) -> None:
         self.tier = tier
+        # A scheduler that waits longer for a move (its promote_timeout_s)
+        # is not cut short by the store: the longer of the two.
+        self.stale_move_s = max(self.STALE_MOVE_S, stale_move_s)
         self._policy = policy if policy is not None else LruPolicy()
         self._entries: dict[bytes, _Entry] = {}
         self._free: list[int] = list(range(tier.num_slots - 1, -1, -1))
@@ -488,11 +490,11 @@ class TieredStore:
                     continue
                 if state is promoting:
                     if stale_before is None:
-                        stale_before = time.monotonic() - self.STALE_MOVE_S
+                        stale_before = time.monotonic() - self.stale_move_s
                     if e.since < stale_before:
                         if not e.stalled:
                             self._stalled_locked(key, e)
-                        break  # a miss now, not a wait (STALE_MOVE_S)
+                        break  # a miss now, not a wait (stale_move_s)
                     total += 1
                     continue
                 break  # PENDING: being written, not readable yet
@@ -517,7 +519,7 @@ class TieredStore:
         e.stalled = True
         self._c.moves_stalled += 1
         log.warning("kvtier: %s of block %s has run for over %.0f s; lookups count it as a miss until it ends",
-                    "the cluster fetch" if e.from_cluster else "the SSD read", key.hex()[:16], self.STALE_MOVE_S)
+                    "the cluster fetch" if e.from_cluster else "the SSD read", key.hex()[:16], self.stale_move_s)
 
     def _moves_begin_locked(self, keys: Sequence[bytes]) -> None:
         """The movers' reads or fetches of ``keys`` start now: the time a
@@ -556,7 +558,7 @@ class TieredStore:
         """Start reading the SSD-only ``keys`` into DRAM; returns how many of
         ``keys`` are on their way: PROMOTING, or waiting for DRAM slots that
         demotions in flight are about to free. Stops at the first key that
-        is not on SSD, and at one whose move has stalled (STALE_MOVE_S)."""
+        is not on SSD, and at one whose move has stalled (``stale_move_s``)."""
         if self.ssd is None and self._cluster is None:
             return 0
         # A key given twice would get two PROMOTING entries, the first one's
@@ -573,7 +575,7 @@ class TieredStore:
                 e = self._entries.get(key)
                 if e is not None:
                     if e.state is EntryState.PROMOTING:
-                        if e.since < now - self.STALE_MOVE_S:
+                        if e.since < now - self.stale_move_s:
                             break  # stalled: not on its way, nor is the prefix past it
                         moving += 1
                     continue

@@ -177,7 +177,7 @@ def test_a_wait_for_progress_ends_with_a_fetch_while_an_ssd_job_still_runs(make_
 def test_a_fetch_stalled_past_its_limit_is_a_miss_to_lookups_until_it_ends(make_tier,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer stopped mid-transfer: Mooncake's call does not return. Once
-    the fetch has run past STALE_MOVE_S, lookups stop before its block (a
+    the fetch has run past its limit (stale_move_s), lookups stop before its block (a
     request would otherwise wait out promote_timeout_s, and so would every
     later one with the prefix), and the cluster is not asked for it again;
     its DRAM slot stays taken until the call returns."""
@@ -188,7 +188,7 @@ def test_a_fetch_stalled_past_its_limit_is_a_miss_to_lookups_until_it_ends(make_
         assert store.promote([key]) == 1
         assert store.probe([key]) == Probe(0, 1)  # on its way
         used = store.counters()["dram_slots_used"]
-        monkeypatch.setattr(store, "STALE_MOVE_S", -1.0)  # every move running counts as stalled
+        monkeypatch.setattr(store, "stale_move_s", -1.0)  # every move running counts as stalled
         assert store.probe([key]) == Probe(0, 0)
         assert store.promote([key]) == 0
         c = store.counters()

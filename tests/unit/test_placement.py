@@ -32,6 +32,17 @@ def on_ssd(store) -> int:
     return sum(store.probe([k]).total for k in KEYS if not store.contains(k))
 
 
+@pytest.mark.parametrize(("promote_timeout", "limit"), [(20, 20.0), (1, 5.0)])
+def test_a_move_counts_as_stalled_after_the_schedulers_wait_or_5_s(shm_path: str, tmp_path: Path,
+                                                                     promote_timeout: float, limit: float) -> None:
+    # A scheduler told to wait 20 s for its blocks is not cut short at 5 s.
+    store = start(shm_path, tmp_path / "ssd.img", promote_timeout_s=promote_timeout)
+    try:
+        assert store.stale_move_s == limit
+    finally:
+        close_store(store)
+
+
 def test_a_restart_recovers_the_ssd_tier_and_force_new_disk_starts_it_empty(shm_path: str, tmp_path: Path) -> None:
     ssd = tmp_path / "ssd.img"
     store = start(shm_path, ssd)

@@ -439,7 +439,7 @@ def test_promoting_blocks_are_counted_but_not_readable(make_store, disk: DiskIo)
 
 def test_a_stalled_promotion_is_a_miss_not_a_wait_and_its_block_comes_when_the_read_ends(
         make_store, disk: DiskIo, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A disk read that hangs: once the move is older than STALE_MOVE_S,
+    """A disk read that hangs: once the move is older than its limit (stale_move_s),
     lookups stop at its block (each request with the prefix would
     otherwise wait out the scheduler's promote_timeout_s), and promote()
     does not count it on its way. Its slot stays held; the block counts
@@ -451,7 +451,7 @@ def test_a_stalled_promotion_is_a_miss_not_a_wait_and_its_block_comes_when_the_r
     assert store.promote(KEYS[:2]) == 2
     assert store.probe(KEYS[:2]) == Probe(0, 2)  # on their way: counted
     used = store.counters()["dram_slots_used"]
-    monkeypatch.setattr(store, "STALE_MOVE_S", -1.0)  # every move running counts as stalled
+    monkeypatch.setattr(store, "stale_move_s", -1.0)  # every move running counts as stalled
     assert store.probe(KEYS[:2]) == Probe(0, 0)  # stalled: a miss at once
     assert store.promote(KEYS[:2]) == 0
     assert store.probe(KEYS[:2]) == Probe(0, 0)
