@@ -255,6 +255,28 @@ def test_step_numbers_of_two_instances_never_settle_each_other(service: MetaServ
     assert a.probe(keys(3, 2)).ready == 2
 
 
+def test_a_move_stalls_only_after_the_longest_wait_of_a_live_instance(tmp_path: Path) -> None:
+    """Each instance tells the service how long its scheduler waits for a
+    move into DRAM (promote_timeout_s): lookups keep counting a move that
+    long before taking it for stalled, for the instance that waits longest;
+    the service's own promote_timeout_s and 5 s are the floor."""
+    service = start(tmp_path, store=KvtierConfig(dram_size_bytes=64 * (RANK_BYTES + 4096),
+                                                  shm_dir=str(tmp_path), promote_timeout_s=7))
+    try:
+        patient = client(service, name="patient", promote_timeout_s=20)
+        quick = client(service, name="quick", promote_timeout_s=1)
+        assert patient.probe(keys(1, 1)).total == quick.probe(keys(1, 1)).total == 0
+        assert service.store.stale_move_s == 20
+        patient.shutdown()
+        assert poll_until(lambda: [s.name for s in service.sessions()] == ["quick"], 10)
+        assert service.store.stale_move_s == 7  # the service's own, over the quick one's 1 s
+        later = client(service, name="later", promote_timeout_s=12.5)
+        assert later.probe(keys(1, 1)).total == 0
+        assert service.store.stale_move_s == 12.5
+    finally:
+        service.stop()
+
+
 def test_a_dead_instance_gives_back_its_pins_and_unwritten_slots(tmp_path: Path) -> None:
     # A grace of 3 s: the slots are seen held before it ends, however late
     # this thread looks.
@@ -485,11 +507,16 @@ def _frame_of(raw: object) -> bytes:
     (struct.pack("<I", 100) + b"\x01\x02", "bad-request", "connection closed inside a frame"),
     (struct.pack("<I", wire.MAX_FRAME + 1), "bad-request", "over the"),
     (wire.encode(wire.Hello(wire.PROTOCOL_VERSION + 1, "", "x", 1, 1, RANK_BYTES)), "version", "speaks"),
+    # Protocol 3's Hello, one field short of today's: told its version, not a bad request.
+    (_frame_of(["Hello", 3, "", "x", 1, 1, RANK_BYTES]), "version", "protocol 3 asked"),
+    (_frame_of(["Hello", wire.PROTOCOL_VERSION, "", "x", 1, 1, RANK_BYTES, -1]), "bad-request",
+     "Hello.promote_timeout_ms"),
     (wire.encode(wire.Probe(1, b"k" * 16)), "bad-request", "expected Hello first"),
     (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "n" * 4097, 1, 1, RANK_BYTES)), "bad-request",
      "of length <= 4096"),
 ] + [(f, "bad-request", "expected Hello") for f in _random_frames(10)],
-    ids=["truncated", "oversized", "wrong-version", "no-hello-first", "name-over-4096"]
+    ids=["truncated", "oversized", "wrong-version", "previous-version", "negative-wait", "no-hello-first",
+         "name-over-4096"]
     + [f"random-{i}" for i in range(10)])
 def test_bad_frames_before_the_hello_are_refused_and_the_service_keeps_serving(service: MetaService, frame: bytes,
                                                                                code: str, says: str) -> None:
@@ -631,7 +658,7 @@ def test_an_engine_the_service_cannot_take_yet_starts_and_joins_once_it_can(tmp_
 
     svc = start(tmp_path, token="secret")
     (tmp_path / "shm").rmdir()
-    extra = {"backend": "pool", "meta_service_url": svc.address, "token": token or "secret"}
+    extra = {"backend": "pool", "meta_service_url": svc.address, "token": token or "secret", "promote_timeout_s": 30}
     try:
         cfg = parse_connector_config(extra, check_memory=False)
         vc = vllm_config(extra=extra, model_kw={"served_model_name": "m"})
@@ -648,6 +675,7 @@ def test_an_engine_the_service_cannot_take_yet_starts_and_joins_once_it_can(tmp_
         assert poll_until(lambda: pool.probe(ks) is not None and pool.connected, 15, 0.05)
         assert pool.reconnects == 1 and svc.store is not None
         assert [s.name for s in svc.sessions()] == [pool.name]
+        assert svc.store.stale_move_s == 30  # the scheduler's wait, told at the handshake
         pool.shutdown()
     finally:
         svc.stop()

@@ -421,8 +421,10 @@ def build_pool_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheC
     url, token = meta_service_url(cfg)
     served = vllm_config.model_config.served_model_name
     name = f"{served[0] if isinstance(served, list) else served or 'vllm'}@{os.getpid()}"
+    wait = cfg.promote_timeout_s  # the service counts a move as stalled no sooner (wire.Hello)
     try:
-        placement = PoolPlacement(url, ranks=ranks, rank_bytes=rank_bytes, name=str(name), token=token)
+        placement = PoolPlacement(url, ranks=ranks, rank_bytes=rank_bytes, name=str(name), token=token,
+                                  promote_timeout_s=wait)
     except PoolRefused as err:
         if err.code == "geometry":
             log.error("kvtier: the meta service at %s refused this instance: %s; kvtier is off for it", url,
@@ -434,13 +436,13 @@ def build_pool_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheC
         log.warning("kvtier: the meta service at %s cannot take this instance yet (%s); lookups miss until it "
                     "does", url, err.message)
         placement = PoolPlacement(url, ranks=ranks, rank_bytes=rank_bytes, name=str(name), token=token,
-                                  connect=False)
+                                  connect=False, promote_timeout_s=wait)
     except (OSError, WireError, PoolUnavailable) as err:
         # Not there yet (started after vLLM, or restarting): lookups miss
         # until it answers; the engine serves meanwhile.
         log.warning("kvtier: the meta service at %s is not reachable (%s); lookups miss until it is", url, err)
         placement = PoolPlacement(url, ranks=ranks, rank_bytes=rank_bytes, name=str(name), token=token,
-                                  connect=False)
+                                  connect=False, promote_timeout_s=wait)
     else:
         log.info("kvtier: on the node pool at %s (session %d, arena %s, %d slots)", url, placement.session,
                  placement.arena_path, placement.num_slots)

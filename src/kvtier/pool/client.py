@@ -83,11 +83,14 @@ class PoolRefused(Exception):
 
 class PoolPlacement:
     def __init__(self, url: str, *, ranks: int, rank_bytes: int, name: str = "", token: str | None = None,
-                 timeout_s: float = 2.0, connect: bool = True) -> None:
+                 timeout_s: float = 2.0, connect: bool = True, promote_timeout_s: float = 0.0) -> None:
         self.url = url
         self._where = parse_url(url)
         self.ranks = ranks
         self.rank_bytes = rank_bytes
+        # The scheduler's wait for moves, told to the service at each
+        # handshake (wire.Hello.promote_timeout_ms); 0: the service's own.
+        self.promote_timeout_s = promote_timeout_s
         self.name = wire.instance_name(name) or f"vllm-{os.getpid()}"
         self.token = token if token is not None else os.environ.get("KVTIER_TOKEN", "")
         self.timeout_s = timeout_s
@@ -141,7 +144,8 @@ class PoolPlacement:
             if scheme != "unix":
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, self.token or "", self.name, os.getpid(),
-                                                self.ranks, self.rank_bytes)))
+                                                self.ranks, self.rank_bytes,
+                                                round(self.promote_timeout_s * 1000))))
             body = wire.recv_frame(sock)
             if body is None:
                 raise PoolUnavailable("the meta service closed the connection during the handshake")

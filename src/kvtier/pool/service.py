@@ -102,6 +102,7 @@ class Session:
     pid: int
     conn: socket.socket
     peer: str
+    promote_timeout_s: float = 0.0  # its scheduler's wait for moves (Hello.promote_timeout_ms)
     last_seen: float = field(default_factory=time.monotonic)
     ended: bool = False
     calls: int = 0
@@ -539,8 +540,9 @@ class MetaService:
         with self._lock:
             sid = self._next_session
             self._next_session += 1
-            session = Session(sid, name, msg.pid, conn, peer)
+            session = Session(sid, name, msg.pid, conn, peer, msg.promote_timeout_ms / 1000)
             self._sessions[sid] = session
+            self._set_stall_limit_locked()
             self._ended_names.pop(session.name, None)
             self.sessions_started += 1
         page = self._stats_page
@@ -688,6 +690,7 @@ class MetaService:
                 # gone from /health has nothing left in the pool.
                 with self._lock:
                     self._sessions.pop(s.id, None)
+                    self._set_stall_limit_locked()
                     self._name_ended_locked(s.name)
         log.info("kvtier meta: session %d (%s) ended: %s; %d pins released, %d unwritten saves dropped",
                  s.id, s.name, why, pins, pending)
@@ -696,6 +699,16 @@ class MetaService:
         except OSError:
             pass
         return True
+
+    def _set_stall_limit_locked(self) -> None:
+        """The pool counts a move into DRAM as stalled (a miss to lookups)
+        after the longest wait of a live instance's scheduler, this
+        service's own ``promote_timeout_s``, or 5 s, whichever is longest:
+        no scheduler is cut short of the wait it was told (the embedded
+        store takes its one instance's, placement.open_store)."""
+        if self.store is not None:
+            waits = [s.promote_timeout_s for s in self._sessions.values()]
+            self.store.stale_move_s = max(TieredStore.STALE_MOVE_S, self.opts.store.promote_timeout_s, *waits)
 
     def _name_ended_locked(self, name: str) -> None:
         """A session named ``name`` ended: once no live one has the name, it

@@ -30,13 +30,18 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 2: ProbeReply.remote (the cluster tier); 3: keys as one blob, Welcome.stats
+from kvtier.config import SECONDS_MAX
+
+# 2: ProbeReply.remote (the cluster tier); 3: keys as one blob, Welcome.stats;
+# 4: Hello.promote_timeout_ms
+PROTOCOL_VERSION = 4
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
 KEY_BYTES = 16
 # An engine's steps count up from 0; a service's own reset dooms every step
 # above -2**62 (service._LOW_STEP), so no step of a session may be at or below it.
 Step = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 AfterStep = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]  # -1: before the first step
+PROMOTE_TIMEOUT_MS_MAX = int(SECONDS_MAX * 1000)  # the longest wait a config takes
 NAME_MAX = 200  # characters of an instance's name as the service keeps it (instance_name)
 # An instance's name goes into log lines and /metrics labels. The wire only
 # bounds it; the service makes it fit with instance_name(), so that a
@@ -78,6 +83,11 @@ class Hello(_Msg):
     pid: int
     ranks: int  # ranks writing parts of each block
     rank_bytes: int  # bytes of each rank's part
+    # How long the instance's scheduler waits for a move into DRAM (its
+    # promote_timeout_s): the pool counts a move as stalled no sooner. Last,
+    # with a default, so that an older client's Hello decodes and is told
+    # its version is wrong.
+    promote_timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=PROMOTE_TIMEOUT_MS_MAX)] = 0
 
 
 class Welcome(_Msg):
