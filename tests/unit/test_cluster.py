@@ -358,6 +358,38 @@ def test_master_down_is_a_fast_miss_and_service_resumes(node: TieredStore, peer:
 
 
 @own_master
+def test_a_joined_master_that_stops_answering_is_a_miss_and_the_node_comes_back(
+        node: TieredStore, peer: Peer, master: MasterSupervisor) -> None:
+    """The master frozen (SIGSTOP: its port still takes connections, nothing
+    answers) after the node joined it: a lookup gives up and answers a miss
+    instead of waiting on Mooncake's call, the cluster is marked down, and
+    blocks saved to the node itself still hit; once the master answers again
+    the node finds the cluster's blocks again."""
+    keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=70, n=2)["keys"]]
+    wait_for(lambda: node.probe(keys).remote == 2, what="the peer's blocks in the cluster")
+    pid = master.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        p = node.probe(keys)
+        assert (p.total, p.remote) == (0, 0)
+        # It gave up on its own (cluster_timeout_s): Mooncake's call, which
+        # waits for the master far longer, is still running.
+        asking = node.cluster._asking
+        assert asking is not None and not asking[0].done()
+        wait_for(lambda: not node.cluster.up, what="the cluster marked down")
+        assert node.counters()["cluster_down"] >= 1
+        own = [block_key(70, 9)]
+        save_blocks(node, own, 0, seed=70)
+        assert node.probe(own).ready == 1  # this node's pool serves meanwhile
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(checked_now(node, lambda: node.cluster.up), timeout_s=60, what="the node to see the master back")
+    wait_for(lambda: fetch(node, keys) == 2, timeout_s=60, what="the cluster's blocks hit again")
+    assert master.restarts == 0  # the same master, thawed: not one the supervisor restarted
+
+
+@own_master
 def test_blocks_published_before_a_master_restart_are_published_again(node: TieredStore,
                                                                        master: MasterSupervisor) -> None:
     """A master killed and restarted at once (by its supervisor) starts
