@@ -35,7 +35,7 @@ from kvtier.tier.dram import HEADER_BYTES, HEADER_DTYPE, DramTier, checksum  # n
 from kvtier.tools.server import free_port  # noqa: E402
 from tests.unit import helpers  # noqa: E402
 from tests.unit.cluster_node import block_bytes, block_key  # noqa: E402
-from tests.unit.helpers import JsonLineProcess  # noqa: E402
+from tests.unit.helpers import JsonLineProcess, freeze  # noqa: E402
 
 NODE = Path(__file__).with_name("cluster_node.py")
 RANK_BYTES = 64 << 10
@@ -369,7 +369,7 @@ def test_a_joined_master_that_stops_answering_is_a_miss_and_the_node_comes_back(
     wait_for(lambda: node.probe(keys).remote == 2, what="the peer's blocks in the cluster")
     pid = master.pid
     assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         p = node.probe(keys)
         assert (p.total, p.remote) == (0, 0)

@@ -4,7 +4,9 @@
 (each runs Mooncake's master in HA mode, on a port of its own: a leader and
 a standby), and a client process (cluster_ha_client.py) set up through etcd.
 The client puts and gets blocks; the leader's ``kvtier meta`` is killed with
--9; puts and gets work again through the standby, now leader.
+-9; puts and gets work again through the standby, now leader. A worker
+node (``kvtier local``, its file naming etcd and no master) finds the
+leader through etcd and hits the blocks the master's node saved.
 
 etcd missing is a failure, not a skip (CI installs it: .ci/run). Needs the
 ``kvtier[cluster]`` extra; skipped without it, as test_cluster.py.
@@ -35,8 +37,12 @@ from kvtier.cluster import etcd  # noqa: E402
 from kvtier.cluster.master import MasterSupervisor, master_role  # noqa: E402
 from kvtier.config import ClusterConfig  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.pool.client import PoolPlacement  # noqa: E402
+from kvtier.tier.dram import DramTier  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
 from kvtier.tools.server import ServerError, exit_status, free_port, parse_metrics  # noqa: E402
+from tests.integration.test_cluster_nodes import RANK_BYTES as BLOCK_BYTES  # noqa: E402
+from tests.integration.test_cluster_nodes import fetched, save  # noqa: E402
 from tests.unit.helpers import JsonLineProcess, freeze, wait_for  # noqa: E402
 
 CLIENT = Path(__file__).with_name("cluster_ha_client.py")
@@ -329,3 +335,54 @@ def test_a_stopped_leader_is_not_joined(etcd_server: Etcd, tmp_path: Path) -> No
             pytest.fail("the frozen leader's lease ran out before each check")
     finally:
         sup.stop()
+
+
+def test_a_worker_node_follows_the_leader_through_etcd(etcd_server: Etcd, tmp_path: Path) -> None:
+    """A worker node (``kvtier local``) whose local file names etcd and no
+    master: its pool finds the leading master through etcd, joins it, and a
+    block saved on the master's node is a cluster hit there, checked byte
+    for byte."""
+    master_node = Node(tmp_path / "node1", etcd_server.endpoint)
+    folder = tmp_path / "node2"
+    (folder / "shm").mkdir(parents=True)
+    conf = folder / "mmc-local.conf"
+    conf.write_text("ock.mmc.local_service.dram.size = 8MB\n"
+                    "ock.mmc.local_service.world_size = 1\n"
+                    f"kvtier.shm_dir = {folder / 'shm'}\n"
+                    "kvtier.cluster.enabled = true\n"
+                    f"kvtier.cluster.etcd_endpoints = {etcd_server.endpoint}\n"
+                    "kvtier.cluster.segment_size = 32MB\n"
+                    f"kvtier.node_service_url = tcp://127.0.0.1:{free_port()}\n"
+                    f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n")
+    worker = MetaProcess(conf, conf, log_path=folder / "meta.log", args=["--role", "local"])
+    clients: list[PoolPlacement] = []
+
+    def up(proc: MetaProcess) -> bool:
+        return parse_metrics(httpx.get(proc.metrics_url + "/metrics", timeout=5).text).get("kvtier_cluster_up") == 1
+
+    try:
+        master_node.proc.start()
+        worker.start()
+        # A pool joins the cluster when its first instance attaches.
+        a = PoolPlacement(master_node.proc.address, ranks=1, rank_bytes=BLOCK_BYTES, name="a")
+        b = PoolPlacement(worker.address, ranks=1, rank_bytes=BLOCK_BYTES, name="b")
+        clients += [a, b]
+        wait_for(lambda: up(master_node.proc) and up(worker), 90, "both pools to join the leader")
+        ks = [os.urandom(16) for _ in range(3)]
+        save(a, ks, 1, fill=9)
+        wait_for(lambda: b.probe(ks).remote == 3, 60, "the worker node to find node 1's blocks")
+        assert fetched(b, ks) == 3
+        slots = b.pin(ks, 1)
+        tier = DramTier.attach(b.arena_path)
+        try:
+            assert all(s is not None and tier.verify(s, k, 0) for s, k in zip(slots, ks))
+            assert all(int(tier.rank_view(s, 0)[0]) == 9 for s in slots)
+        finally:
+            tier.close()
+        b.complete_step(1)
+    finally:
+        for c in clients:
+            c.shutdown()
+        if worker.proc is not None and exit_status(worker.proc) is None:
+            worker.kill()
+        master_node.kill()
