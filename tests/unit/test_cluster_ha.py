@@ -6,7 +6,8 @@ a standby), and a client process (cluster_ha_client.py) set up through etcd.
 The client puts and gets blocks; the leader's ``kvtier meta`` is killed with
 -9; puts and gets work again through the standby, now leader. A worker
 node (``kvtier local``, its file naming etcd and no master) finds the
-leader through etcd and hits the blocks the master's node saved.
+leader through etcd and hits the blocks the master's node saved; two node
+pools follow a takeover and share blocks again.
 
 etcd missing is a failure, not a skip (CI installs it: .ci/run). Needs the
 ``kvtier[cluster]`` extra; skipped without it, as test_cluster.py.
@@ -40,7 +41,7 @@ from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.pool.client import PoolPlacement  # noqa: E402
 from kvtier.tier.dram import DramTier  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
-from kvtier.tools.server import ServerError, exit_status, free_port, parse_metrics  # noqa: E402
+from kvtier.tools.server import ServerError, exit_status, free_port, parse_metrics, poll_until  # noqa: E402
 from tests.integration.test_cluster_nodes import RANK_BYTES as BLOCK_BYTES  # noqa: E402
 from tests.integration.test_cluster_nodes import fetched, save  # noqa: E402
 from tests.unit.helpers import JsonLineProcess, freeze, wait_for  # noqa: E402
@@ -337,29 +338,46 @@ def test_a_stopped_leader_is_not_joined(etcd_server: Etcd, tmp_path: Path) -> No
         sup.stop()
 
 
-def test_a_worker_node_follows_the_leader_through_etcd(etcd_server: Etcd, tmp_path: Path) -> None:
-    """A worker node (``kvtier local``) whose local file names etcd and no
-    master: its pool finds the leading master through etcd, joins it, and a
-    block saved on the master's node is a cluster hit there, checked byte
-    for byte."""
-    master_node = Node(tmp_path / "node1", etcd_server.endpoint)
-    folder = tmp_path / "node2"
+def worker_node(folder: Path, etcd_endpoint: str) -> MetaProcess:
+    """A worker node's ``kvtier local``: its local file names etcd and no master."""
     (folder / "shm").mkdir(parents=True)
     conf = folder / "mmc-local.conf"
     conf.write_text("ock.mmc.local_service.dram.size = 8MB\n"
                     "ock.mmc.local_service.world_size = 1\n"
                     f"kvtier.shm_dir = {folder / 'shm'}\n"
                     "kvtier.cluster.enabled = true\n"
-                    f"kvtier.cluster.etcd_endpoints = {etcd_server.endpoint}\n"
+                    f"kvtier.cluster.etcd_endpoints = {etcd_endpoint}\n"
                     "kvtier.cluster.segment_size = 32MB\n"
                     f"kvtier.node_service_url = tcp://127.0.0.1:{free_port()}\n"
                     f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n")
-    worker = MetaProcess(conf, conf, log_path=folder / "meta.log", args=["--role", "local"])
+    return MetaProcess(conf, conf, log_path=folder / "meta.log", args=["--role", "local"])
+
+
+def cluster_up(proc: MetaProcess) -> bool:
+    return parse_metrics(httpx.get(proc.metrics_url + "/metrics", timeout=5).text).get("kvtier_cluster_up") == 1
+
+
+def hits_right(c: PoolPlacement, ks: list[bytes], fill: int, step: int = 1) -> None:
+    """Fetch ``ks`` into ``c``'s pool; each block pinned there (for ``step``) is whole and holds ``fill``."""
+    assert fetched(c, ks) == len(ks)
+    slots = c.pin(ks, step)
+    tier = DramTier.attach(c.arena_path)
+    try:
+        assert all(s is not None and tier.verify(s, k, 0) for s, k in zip(slots, ks))
+        assert all(int(tier.rank_view(s, 0)[0]) == fill for s in slots)
+    finally:
+        tier.close()
+    c.complete_step(step)
+
+
+def test_a_worker_node_follows_the_leader_through_etcd(etcd_server: Etcd, tmp_path: Path) -> None:
+    """A worker node (``kvtier local``) whose local file names etcd and no
+    master: its pool finds the leading master through etcd, joins it, and a
+    block saved on the master's node is a cluster hit there, checked byte
+    for byte."""
+    master_node = Node(tmp_path / "node1", etcd_server.endpoint)
+    worker = worker_node(tmp_path / "node2", etcd_server.endpoint)
     clients: list[PoolPlacement] = []
-
-    def up(proc: MetaProcess) -> bool:
-        return parse_metrics(httpx.get(proc.metrics_url + "/metrics", timeout=5).text).get("kvtier_cluster_up") == 1
-
     try:
         master_node.proc.start()
         worker.start()
@@ -367,22 +385,68 @@ def test_a_worker_node_follows_the_leader_through_etcd(etcd_server: Etcd, tmp_pa
         a = PoolPlacement(master_node.proc.address, ranks=1, rank_bytes=BLOCK_BYTES, name="a")
         b = PoolPlacement(worker.address, ranks=1, rank_bytes=BLOCK_BYTES, name="b")
         clients += [a, b]
-        wait_for(lambda: up(master_node.proc) and up(worker), 90, "both pools to join the leader")
+        wait_for(lambda: cluster_up(master_node.proc) and cluster_up(worker), 90, "both pools to join the leader")
         ks = [os.urandom(16) for _ in range(3)]
         save(a, ks, 1, fill=9)
         wait_for(lambda: b.probe(ks).remote == 3, 60, "the worker node to find node 1's blocks")
-        assert fetched(b, ks) == 3
-        slots = b.pin(ks, 1)
-        tier = DramTier.attach(b.arena_path)
-        try:
-            assert all(s is not None and tier.verify(s, k, 0) for s, k in zip(slots, ks))
-            assert all(int(tier.rank_view(s, 0)[0]) == 9 for s in slots)
-        finally:
-            tier.close()
-        b.complete_step(1)
+        hits_right(b, ks, fill=9)
     finally:
         for c in clients:
             c.shutdown()
         if worker.proc is not None and exit_status(worker.proc) is None:
             worker.kill()
         master_node.kill()
+
+
+def test_node_pools_follow_a_takeover_and_hit_again(etcd_server: Etcd, tmp_path: Path) -> None:
+    """Two node pools (the standby master's node and a worker node) share
+    blocks through the leader; the leader's ``kvtier meta`` is killed with
+    -9. Both pools see the cluster down, follow the standby once it leads,
+    and blocks saved on one are cluster hits on the other again, whole.
+    (Blocks from before the takeover: misses or whole, never wrong, in
+    test_standby_master_takes_over_when_the_leader_is_killed.)"""
+    nodes = [Node(tmp_path / "node1", etcd_server.endpoint), Node(tmp_path / "node2", etcd_server.endpoint)]
+    worker = worker_node(tmp_path / "node3", etcd_server.endpoint)
+    clients: list[PoolPlacement] = []
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            for started in [pool.submit(p.start) for p in (nodes[0].proc, nodes[1].proc, worker)]:
+                started.result()
+        wait_for(lambda: leader_now(etcd_server.endpoint) in {n.address for n in nodes}, 30, "a leader in etcd")
+        leader = next(n for n in nodes if n.address == leader_now(etcd_server.endpoint))
+        standby = next(n for n in nodes if n is not leader)
+        # Pools on the standby's node and the worker node; the leader's node
+        # runs its master only (no instance attaches there).
+        s = PoolPlacement(standby.proc.address, ranks=1, rank_bytes=BLOCK_BYTES, name="s")
+        w = PoolPlacement(worker.address, ranks=1, rank_bytes=BLOCK_BYTES, name="w")
+        clients += [s, w]
+        wait_for(lambda: cluster_up(standby.proc) and cluster_up(worker), 90, "both pools to join the leader")
+        before = [os.urandom(16) for _ in range(3)]
+        save(w, before, 1, fill=3)
+        wait_for(lambda: s.probe(before).remote == 3, 60, "the blocks in the cluster before the takeover")
+        hits_right(s, before, fill=3)
+
+        lease = leader_lease(etcd_server.endpoint)
+        leader.kill()
+        end_lease(etcd_server.endpoint, lease)  # as its running out does, at once
+        wait_for(lambda: leader_now(etcd_server.endpoint) == standby.address, 60, "etcd to name the standby")
+        fills = iter(range(10, 250))
+
+        def shared_again() -> bool:
+            fill = next(fills)
+            ks = [os.urandom(16) for _ in range(3)]
+            save(w, ks, 2 + fill, fill=fill)
+            if not poll_until(lambda: s.probe(ks).remote == 3, 5, 0.1):
+                return False
+            hits_right(s, ks, fill=fill, step=fill)
+            return True
+
+        wait_for(shared_again, 120, "blocks shared through the new leader")
+        assert cluster_up(standby.proc) and cluster_up(worker)
+    finally:
+        for c in clients:
+            c.shutdown()
+        if worker.proc is not None and exit_status(worker.proc) is None:
+            worker.kill()
+        for n in nodes:
+            n.kill()
