@@ -7,7 +7,8 @@ The client puts and gets blocks; the leader's ``kvtier meta`` is killed with
 -9; puts and gets work again through the standby, now leader. A worker
 node (``kvtier local``, its file naming etcd and no master) finds the
 leader through etcd and hits the blocks the master's node saved; two node
-pools follow a takeover and share blocks again.
+pools follow a takeover and share blocks again; a leading master killed
+alone is restarted by its node and stands by.
 
 etcd missing is a failure, not a skip (CI installs it: .ci/run). Needs the
 ``kvtier[cluster]`` extra; skipped without it, as test_cluster.py.
@@ -448,5 +449,48 @@ def test_node_pools_follow_a_takeover_and_hit_again(etcd_server: Etcd, tmp_path:
             c.shutdown()
         if worker.proc is not None and exit_status(worker.proc) is None:
             worker.kill()
+        for n in nodes:
+            n.kill()
+
+
+def test_a_leader_master_killed_alone_comes_back_as_the_standby(etcd_server: Etcd, tmp_path: Path) -> None:
+    """kill -9 of the leading ``mooncake_master`` alone (its ``kvtier meta``
+    lives): the standby takes over, and the node's supervisor restarts the
+    killed master, which joins as the standby; killed in turn, the new
+    leader's master hands the lead back."""
+    import signal
+
+    nodes = [Node(tmp_path / "node1", etcd_server.endpoint), Node(tmp_path / "node2", etcd_server.endpoint)]
+
+    def master_pid(n: Node) -> int:
+        text = httpx.get(n.proc.metrics_url + "/metrics", timeout=5).text
+        return int(parse_metrics(text)["kvtier_cluster_master_pid"])
+
+    def restarts(n: Node) -> float:
+        text = httpx.get(n.proc.metrics_url + "/metrics", timeout=5).text
+        return parse_metrics(text).get("kvtier_cluster_master_restarts", 0)
+
+    try:
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            for started in [pool.submit(n.proc.start) for n in nodes]:
+                started.result()
+        for turn in range(2):
+            wait_for(lambda: leader_now(etcd_server.endpoint) in {n.address for n in nodes}, 60, "a leader in etcd")
+            leader = next(n for n in nodes if n.address == leader_now(etcd_server.endpoint))
+            standby = next(n for n in nodes if n is not leader)
+            wait_for(lambda: leader.role() == "leader" and standby.role() == "standby", 60,
+                     "leader and standby roles")
+            pid, before = master_pid(leader), restarts(leader)
+            lease = leader_lease(etcd_server.endpoint)
+            os.kill(pid, signal.SIGKILL)
+            end_lease(etcd_server.endpoint, lease)
+            wait_for(lambda: leader_now(etcd_server.endpoint) == standby.address and standby.role() == "leader",
+                     90, f"the standby to lead (turn {turn})")
+            wait_for(lambda: restarts(leader) == before + 1 and master_pid(leader) != pid, 60,
+                     f"the killed master's restart (turn {turn})")
+            wait_for(lambda: leader.role() == "standby" and leader.metrics_role() == ["standby"], 60,
+                     f"the restarted master to stand by (turn {turn})")
+            assert exit_status(leader.proc.proc) is None  # its kvtier meta lived through it
+    finally:
         for n in nodes:
             n.kill()
