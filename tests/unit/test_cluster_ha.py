@@ -8,7 +8,8 @@ The client puts and gets blocks; the leader's ``kvtier meta`` is killed with
 node (``kvtier local``, its file naming etcd and no master) finds the
 leader through etcd and hits the blocks the master's node saved; two node
 pools follow a takeover and share blocks again; a leading master killed
-alone is restarted by its node and stands by.
+alone is restarted by its node and stands by; etcd killed and started
+again under all of them.
 
 etcd missing is a failure, not a skip (CI installs it: .ci/run). Needs the
 ``kvtier[cluster]`` extra; skipped without it, as test_cluster.py.
@@ -26,7 +27,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -64,24 +65,32 @@ class Etcd:
         # Its data in memory: etcd fsyncs its log on every write, and a slow
         # disk (CI) must not make the masters' elections or reads time out.
         self.data = tempfile.mkdtemp(prefix="kvtier-test-etcd-", dir="/dev/shm")
-        self.proc = subprocess.Popen(
-            [program, "--name", "kvtier-test", "--data-dir", self.data,
-             "--listen-client-urls", f"http://{self.endpoint}",
-             "--advertise-client-urls", f"http://{self.endpoint}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"kvtier-test=http://127.0.0.1:{peer}"],
-            stdin=subprocess.DEVNULL, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        self.cmd = [program, "--name", "kvtier-test", "--data-dir", self.data,
+                    "--listen-client-urls", f"http://{self.endpoint}",
+                    "--advertise-client-urls", f"http://{self.endpoint}",
+                    "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                    "--initial-cluster", f"kvtier-test=http://127.0.0.1:{peer}"]
+        self.start()
+
+    def start(self) -> None:
+        """Start the member (again, on its data and ports, after :meth:`kill`)."""
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=open(self.log, "ab"),
+                                     stderr=subprocess.STDOUT)
         try:
             etcd.require(self.endpoint, timeout_s=20)
         except ConfigError:
             self.close()
             raise
 
-    def close(self) -> None:
+    def kill(self) -> None:
+        """kill -9 of the member; its data stays for :meth:`start`."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+    def close(self) -> None:
+        self.kill()
         shutil.rmtree(self.data, ignore_errors=True)
 
 
@@ -371,6 +380,24 @@ def hits_right(c: PoolPlacement, ks: list[bytes], fill: int, step: int = 1) -> N
     c.complete_step(step)
 
 
+def shares_again(saver: PoolPlacement, finder: PoolPlacement) -> Callable[[], bool]:
+    """For wait_for: each call saves three new blocks through ``saver``
+    (steps from 12 up) and is True once ``finder`` finds them in the
+    cluster within 5 s and they hit there whole."""
+    fills = iter(range(10, 250))
+
+    def attempt() -> bool:
+        fill = next(fills)
+        ks = [os.urandom(16) for _ in range(3)]
+        save(saver, ks, 2 + fill, fill=fill)
+        if not poll_until(lambda: finder.probe(ks).remote == 3, 5, 0.1):
+            return False
+        hits_right(finder, ks, fill=fill, step=fill)
+        return True
+
+    return attempt
+
+
 def test_a_worker_node_follows_the_leader_through_etcd(etcd_server: Etcd, tmp_path: Path) -> None:
     """A worker node (``kvtier local``) whose local file names etcd and no
     master: its pool finds the leading master through etcd, joins it, and a
@@ -431,18 +458,7 @@ def test_node_pools_follow_a_takeover_and_hit_again(etcd_server: Etcd, tmp_path:
         leader.kill()
         end_lease(etcd_server.endpoint, lease)  # as its running out does, at once
         wait_for(lambda: leader_now(etcd_server.endpoint) == standby.address, 60, "etcd to name the standby")
-        fills = iter(range(10, 250))
-
-        def shared_again() -> bool:
-            fill = next(fills)
-            ks = [os.urandom(16) for _ in range(3)]
-            save(w, ks, 2 + fill, fill=fill)
-            if not poll_until(lambda: s.probe(ks).remote == 3, 5, 0.1):
-                return False
-            hits_right(s, ks, fill=fill, step=fill)
-            return True
-
-        wait_for(shared_again, 120, "blocks shared through the new leader")
+        wait_for(shares_again(w, s), 120, "blocks shared through the new leader")
         assert cluster_up(standby.proc) and cluster_up(worker)
     finally:
         for c in clients:
@@ -492,5 +508,49 @@ def test_a_leader_master_killed_alone_comes_back_as_the_standby(etcd_server: Etc
                      f"the restarted master to stand by (turn {turn})")
             assert exit_status(leader.proc.proc) is None  # its kvtier meta lived through it
     finally:
+        for n in nodes:
+            n.kill()
+
+
+def test_etcd_lost_while_the_masters_run_is_a_miss_and_sharing_resumes(etcd_server: Etcd, tmp_path: Path) -> None:
+    """etcd killed under a leader, a standby and two node pools: the leader
+    steps down, lookups of the cluster's blocks are misses, every process
+    lives and each node's own
+    pool keeps serving its blocks; once etcd is back, a master leads again
+    and the pools share whole blocks again."""
+    nodes = [Node(tmp_path / "node1", etcd_server.endpoint), Node(tmp_path / "node2", etcd_server.endpoint)]
+    worker = worker_node(tmp_path / "node3", etcd_server.endpoint)
+    clients: list[PoolPlacement] = []
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            for started in [pool.submit(p.start) for p in (nodes[0].proc, nodes[1].proc, worker)]:
+                started.result()
+        wait_for(lambda: leader_now(etcd_server.endpoint) in {n.address for n in nodes}, 30, "a leader in etcd")
+        s = PoolPlacement(nodes[0].proc.address, ranks=1, rank_bytes=BLOCK_BYTES, name="s")
+        w = PoolPlacement(worker.address, ranks=1, rank_bytes=BLOCK_BYTES, name="w")
+        clients += [s, w]
+        wait_for(lambda: cluster_up(nodes[0].proc) and cluster_up(worker), 90, "both pools to join the leader")
+        shared = [os.urandom(16) for _ in range(3)]
+        save(w, shared, 1, fill=4)
+        wait_for(lambda: s.probe(shared).remote == 3, 60, "the blocks in the cluster")
+
+        etcd_server.kill()
+        wait_for(lambda: [n.role() for n in nodes] == ["standby", "standby"], 60, "the leader to step down")
+        wait_for(lambda: not cluster_up(nodes[0].proc) and not cluster_up(worker), 60, "both pools to see it down")
+        assert s.probe(shared).total == 0  # the cluster's blocks: a miss, not a wait
+        own = [os.urandom(16) for _ in range(2)]
+        save(w, own, 2, fill=6)
+        assert w.probe(own).ready == 2  # the node's own pool serves
+        hits_right(w, own, fill=6, step=3)
+        assert all(exit_status(p) is None for p in (nodes[0].proc.proc, nodes[1].proc.proc, worker.proc))
+
+        etcd_server.start()
+        wait_for(lambda: leader_now(etcd_server.endpoint) in {n.address for n in nodes}, 90, "a leader again")
+        wait_for(shares_again(w, s), 120, "blocks shared once etcd is back")
+    finally:
+        for c in clients:
+            c.shutdown()
+        if worker.proc is not None and exit_status(worker.proc) is None:
+            worker.kill()
         for n in nodes:
             n.kill()
