@@ -280,9 +280,8 @@ class TieredStore:
                  cluster_timeout_s: float = 2.0, cluster_lookup_blocks: int = 256,
                  cluster_queue_blocks: int = 1024, stale_move_s: float = STALE_MOVE_S) -> None:
         self.tier = tier
-        # A scheduler that waits longer for a move (its promote_timeout_s)
-        # is not cut short by the store: the longer of the two.
-        self.stale_move_s = max(self.STALE_MOVE_S, stale_move_s)
+        self.stale_move_s = self.STALE_MOVE_S
+        self.wait_for_moves(stale_move_s)
         self._policy = policy if policy is not None else LruPolicy()
         self._entries: dict[bytes, _Entry] = {}
         self._free: list[int] = list(range(tier.num_slots - 1, -1, -1))
@@ -422,6 +421,13 @@ class TieredStore:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` readable from DRAM now. Refreshes their recency."""
         return self.probe(keys).ready
+
+    def wait_for_moves(self, *waits: float) -> None:
+        """Count a move into DRAM as stalled no sooner than the longest of
+        ``waits`` (the schedulers' promote_timeout_s) nor than
+        :data:`STALE_MOVE_S`: a scheduler that waits longer for a move is
+        not cut short by the store."""
+        self.stale_move_s = max(self.STALE_MOVE_S, *waits)
 
     def probe(self, keys: Sequence[bytes], *, refresh: bool = True) -> Probe:
         """Leading ``keys`` held, refreshing their recency. A block counted

@@ -605,6 +605,18 @@ def _welcome(version: int = wire.PROTOCOL_VERSION) -> wire.Welcome:
     return wire.Welcome(version, 1, "/nonexistent/arena", 8, 10_000, False, "")
 
 
+def test_a_service_that_cannot_read_this_hello_is_named_as_another_version() -> None:
+    # An older service stops at the Hello's length, before its version.
+    peer = _BrokenService(wire.Error(0, "bad-request", "expected Hello: Expected `array` of at most length 7"), [])
+    try:
+        with pytest.raises(PoolRefused) as err:
+            PoolPlacement(peer.url, ranks=1, rank_bytes=RANK_BYTES, timeout_s=5)
+        assert err.value.code == "bad-request" and "another kvtier version" in err.value.message
+        assert not err.value.transient
+    finally:
+        peer.close()
+
+
 def test_a_service_of_another_protocol_version_is_refused_by_the_instance() -> None:
     peer = _BrokenService(_welcome(wire.PROTOCOL_VERSION + 1), [])
     try:

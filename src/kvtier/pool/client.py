@@ -35,6 +35,7 @@ of the lease's time so that the session's leases hold.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -145,12 +146,17 @@ class PoolPlacement:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, self.token or "", self.name, os.getpid(),
                                                 self.ranks, self.rank_bytes,
-                                                round(self.promote_timeout_s * 1000))))
+                                                math.ceil(self.promote_timeout_s * 1000))))
             body = wire.recv_frame(sock)
             if body is None:
                 raise PoolUnavailable("the meta service closed the connection during the handshake")
             msg = wire.decode_server(body)
             if isinstance(msg, wire.Error):
+                if msg.code == "bad-request" and msg.message.startswith("expected Hello"):
+                    # A service older than this client's protocol cannot
+                    # read the Hello far enough to find its version.
+                    raise PoolRefused(msg.code, f"{msg.message} (a meta service of another kvtier version? "
+                                                "run the same version on both)")
                 raise PoolRefused(msg.code, msg.message)
             if not isinstance(msg, wire.Welcome):
                 raise wire.WireError(f"expected Welcome, got {type(msg).__name__}")

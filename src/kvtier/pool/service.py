@@ -702,13 +702,13 @@ class MetaService:
 
     def _set_stall_limit_locked(self) -> None:
         """The pool counts a move into DRAM as stalled (a miss to lookups)
-        after the longest wait of a live instance's scheduler, this
-        service's own ``promote_timeout_s``, or 5 s, whichever is longest:
-        no scheduler is cut short of the wait it was told (the embedded
-        store takes its one instance's, placement.open_store)."""
+        after the longest wait of a live instance's scheduler or this
+        service's own ``promote_timeout_s`` (5 s at least): no scheduler is
+        cut short of the wait it was told (the embedded store takes its one
+        instance's, placement.open_store)."""
         if self.store is not None:
-            waits = [s.promote_timeout_s for s in self._sessions.values()]
-            self.store.stale_move_s = max(TieredStore.STALE_MOVE_S, self.opts.store.promote_timeout_s, *waits)
+            self.store.wait_for_moves(self.opts.store.promote_timeout_s,
+                                      *(s.promote_timeout_s for s in self._sessions.values()))
 
     def _name_ended_locked(self, name: str) -> None:
         """A session named ``name`` ended: once no live one has the name, it

@@ -13,7 +13,8 @@ whole number of 16-byte keys is refused with :class:`WireError`, and the service
 :class:`Error` (or closes that one connection) while serving the others.
 
 A session opens with :class:`Hello` (protocol version, optional shared
-token, the instance's slot geometry) and the service answers
+token, the instance's slot geometry, its scheduler's wait for moves) and
+the service answers
 :class:`Welcome` (session id, arena path, slots) or :class:`Error`. Then
 each request carries an id the reply repeats.
 """
