@@ -401,7 +401,9 @@ CLUSTER_AUDIT_KEYS = 512  # published blocks asked about with each health check 
 # error) is not looked up in the cluster again for this long: the cluster
 # would say it holds it, the fetch would fail again, and every request with
 # that prefix would wait out promote_timeout_s. The last CLUSTER_SHUN_MAX
-# such keys are remembered.
+# such keys are remembered. Keys shunned for a transfer error are asked
+# again as soon as the cluster is seen back from an outage (up again, or
+# its master found restarted): the outage was the likely cause.
 CLUSTER_SHUN_S = 30.0
 CLUSTER_SHUN_MAX = 4096
 
@@ -544,6 +546,7 @@ class ClusterMover(_Jobs):
         self._asking: tuple[Future, float] | None = None  # the last lookup sent, and when
         self._shunned: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # key -> until when
         self._shun_lock = threading.Lock()
+        self._shunned_for_errors: set[bytes] = set()  # of _shunned: for a transfer error, not a bad value
         self._health = threading.Thread(target=self._health_loop, name="kvtier-cluster-health", daemon=True)
         self._health.start()
 
@@ -609,6 +612,7 @@ class ClusterMover(_Jobs):
             if ok:
                 if not self._up:
                     log.info("kvtier cluster: reachable; lookups and publishing on")
+                    self._forgive_transfer_errors("the cluster answers again")
                     with self._lock:
                         self._up = True
                         # Publishing may go on: blocks to publish again were
@@ -643,6 +647,8 @@ class ClusterMover(_Jobs):
                 self._c.cluster_lost += 1
                 log.warning("kvtier cluster: the cluster lost this node's mark (its master restarted, or the "
                             "segment holding it left): blocks published before count as unpublished")
+        if not self._marked:  # not under self._lock: it takes the shunned keys' lock only
+            self._forgive_transfer_errors("the cluster lost this node's mark")
         if not self.remote.put_mark():
             return  # no segment with room yet (nodes re-join a restarted master on their own time)
         with self._lock:
@@ -769,14 +775,32 @@ class ClusterMover(_Jobs):
                 del self._shunned[key]
         return len(keys)
 
-    def _shun(self, keys: Sequence[bytes]) -> None:
+    def _shun(self, keys: Sequence[bytes], transfer_error: bool) -> None:
+        if not keys:
+            return
         until = time.monotonic() + CLUSTER_SHUN_S
         with self._shun_lock:
             for key in keys:
                 self._shunned[key] = until
                 self._shunned.move_to_end(key)
+                if transfer_error:
+                    self._shunned_for_errors.add(key)
+                else:
+                    self._shunned_for_errors.discard(key)
             while len(self._shunned) > CLUSTER_SHUN_MAX:
-                self._shunned.popitem(last=False)
+                self._shunned_for_errors.discard(self._shunned.popitem(last=False)[0])
+
+    def _forgive_transfer_errors(self, why: str) -> None:
+        """The cluster is back from an outage: the keys shunned for a
+        transfer error are asked again (those whose value failed its checks
+        stay shunned: the cluster would hand out the same bytes)."""
+        with self._shun_lock:
+            for key in self._shunned_for_errors:
+                self._shunned.pop(key, None)
+            n = len(self._shunned_for_errors)
+            self._shunned_for_errors.clear()
+        if n:
+            log.info("kvtier cluster: %s; %d blocks whose fetch failed are asked for again", why, n)
 
     def room(self) -> int:
         """Blocks that may start publishing now (under the store's lock)."""
@@ -812,7 +836,8 @@ class ClusterMover(_Jobs):
             # The keys the cluster answered for and failed (the whole call
             # failing marks the cluster down instead).
             if asked:
-                self._shun([k for k, outcome in zip(keys, outcomes) if outcome in (Fetched.CORRUPT, Fetched.ERROR)])
+                self._shun([k for k, outcome in zip(keys, outcomes) if outcome is Fetched.CORRUPT], False)
+                self._shun([k for k, outcome in zip(keys, outcomes) if outcome is Fetched.ERROR], True)
         except ClusterError as err:
             self._down(err)
             outcomes = [Fetched.ERROR] * len(jobs)
