@@ -32,11 +32,12 @@ import pytest
 pytest.importorskip("mooncake.store", reason="the cluster tier needs the kvtier[cluster] extra")
 
 from kvtier.pool.client import PoolPlacement  # noqa: E402
-from kvtier.tier.dram import DramTier, checksum  # noqa: E402
+from kvtier.tier.dram import DramTier  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
 from kvtier.tools.server import free_port, parse_metrics  # noqa: E402
 from tests.netns import NodeLink, announce  # noqa: E402
-from tests.unit.helpers import wait_for  # noqa: E402
+from tests.unit.helpers import pool_cluster_up, pool_fetched, wait_for  # noqa: E402
+from tests.unit.helpers import pool_save as save  # noqa: E402
 
 RANK_BYTES = 16 << 10
 
@@ -122,33 +123,8 @@ def port_free(port: int) -> bool:
             return False
 
 
-def save(c: PoolPlacement, ks: list[bytes], step: int, fill: int) -> None:
-    slots = c.prepare_save(ks, step)
-    assert None not in slots
-    tier = DramTier.attach(c.arena_path)
-    try:
-        for slot, key in zip(slots, ks):
-            view = tier.rank_view(slot, 0)
-            view.fill_(fill)
-            tier.seal(slot, key, 0, checksum(view, key))
-    finally:
-        tier.close()
-    c.complete_step(step)
-
-
-def fetched(c: PoolPlacement, ks: list[bytes], timeout_s: float = 30) -> int:
-    """Look up and promote as the scheduler does, until no block is on its way."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        p = c.probe(ks)
-        if p.total == p.ready or time.monotonic() > deadline:
-            return p.ready
-        c.promote(ks[p.ready : p.total])
-        c.wait_progress(0.05)
-
-
 def cluster_up(node: Node) -> bool:
-    return node.metrics().get("kvtier_cluster_up", 0) == 1
+    return pool_cluster_up(node.proc.metrics_url)
 
 
 def test_a_block_saved_on_node_1_is_a_cluster_hit_on_node_2(nodes: tuple[Node, Node]) -> None:
@@ -168,7 +144,7 @@ def test_a_block_saved_on_node_1_is_a_cluster_hit_on_node_2(nodes: tuple[Node, N
         wait_for(lambda: seen.append(b.probe(ks)) or seen[-1].total > 0, 60, "node 2 to find the blocks")
         p = seen[-1]
         assert (p.ready, p.total, p.remote) == (0, 4, 4)
-        assert fetched(b, ks) == 4
+        assert pool_fetched(b, ks) == 4
         slots = b.pin(ks, 1)
         tier = DramTier.attach(b.arena_path)
         try:
@@ -203,7 +179,7 @@ def test_master_killed_is_restarted_by_its_node_and_hits_resume(nodes: tuple[Nod
             ks = [os.urandom(16) for _ in range(2)]
             save(a, ks, 10 + next(seed), fill=9)
             time.sleep(0.2)
-            return fetched(b, ks, timeout_s=5) == 2
+            return pool_fetched(b, ks, timeout_s=5) == 2
 
         wait_for(resumed, 120, "hits after the master's restart")
         assert n1.metrics()["kvtier_cluster_master_pid"] != master_pid

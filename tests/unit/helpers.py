@@ -7,7 +7,11 @@
 * :class:`JsonLineProcess`: a helper process of a test that answers one JSON
   line per JSON command on its stdin (the cluster tests' nodes and clients);
 * :func:`ssd_stores`: a store factory over one DRAM arena and an SSD tier
-  opened through a gated I/O stand-in, closed when the fixture ends.
+  opened through a gated I/O stand-in, closed when the fixture ends;
+* :func:`pool_save`, :func:`pool_fetched`, :func:`pool_cluster_up`: a node
+  pool's client saving blocks as a worker does, fetching as a scheduler
+  does, and the pool's /metrics saying it is in the cluster (the cluster
+  tests with ``kvtier meta`` processes).
 """
 
 from __future__ import annotations
@@ -17,13 +21,18 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import httpx
+
+from kvtier.pool.client import PoolPlacement
 from kvtier.store import TieredStore
 from kvtier.tier import DramTier
-from kvtier.tools.server import poll_until
+from kvtier.tier.dram import checksum
+from kvtier.tools.server import parse_metrics, poll_until
 
 BLOCK = 4  # tokens per block in the connector's tests
 
@@ -150,3 +159,35 @@ def store_on_remote(tier: DramTier, remote: Any, release: Callable[[], None],
     finally:
         release()
         store.close()
+
+
+def pool_save(c: PoolPlacement, ks: list[bytes], step: int, fill: int) -> None:
+    """Save ``ks`` through a node pool's client as a worker does: each slot's
+    bytes set to ``fill`` and sealed, then the step completed."""
+    slots = c.prepare_save(ks, step)
+    assert None not in slots
+    tier = DramTier.attach(c.arena_path)
+    try:
+        for slot, key in zip(slots, ks):
+            view = tier.rank_view(slot, 0)
+            view.fill_(fill)
+            tier.seal(slot, key, 0, checksum(view, key))
+    finally:
+        tier.close()
+    c.complete_step(step)
+
+
+def pool_fetched(c: PoolPlacement, ks: list[bytes], timeout_s: float = 30) -> int:
+    """Look up and promote as the scheduler does, until no block is on its way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        p = c.probe(ks)
+        if p.total == p.ready or time.monotonic() > deadline:
+            return p.ready
+        c.promote(ks[p.ready : p.total])
+        c.wait_progress(0.05)
+
+
+def pool_cluster_up(metrics_url: str) -> bool:
+    """Whether the node pool serving ``metrics_url`` says it is in the cluster."""
+    return parse_metrics(httpx.get(metrics_url + "/metrics", timeout=5).text).get("kvtier_cluster_up", 0) == 1
