@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,7 +100,6 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
 def wait_for_log(srv: VllmServer, pattern: str, timeout_s: float = 15.0) -> list[str]:
     """Lines of the server's log matching ``pattern`` (regex), waiting for at least one."""
     import re
-    import time
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -148,3 +148,21 @@ def hit_after_eviction(srv: VllmServer, prompt: list[int], filler_seed: int
     again = complete(srv, prompt)
     after = srv.metrics()
     return device_hit, again, before, after
+
+
+RECONNECTED = "kvtier: reconnected to the meta service"
+
+
+def reconnects(srv: VllmServer) -> int:
+    return srv.log_text().count(RECONNECTED)
+
+
+def wait_reconnected(srv: VllmServer, seen: int, timeout_s: float = 60) -> None:
+    """Until ``srv``'s scheduler has its new session in use: the service
+    lists a client at its hello, before the client has read the answer, and
+    a request scheduled in between would miss."""
+    deadline = time.monotonic() + timeout_s
+    while reconnects(srv) <= seen:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{srv.url} did not reconnect to the meta service")
+        time.sleep(0.05)

@@ -26,8 +26,8 @@ import pytest
 
 from kvtier.tools.meta import MetaProcess
 from kvtier.tools.server import VllmServer, free_port, parse_metrics, poll_until, signal_pids
-from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta, server_options,
-                                tokens)
+from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta, reconnects,
+                                server_options, tokens, wait_reconnected)
 
 pytestmark = pytest.mark.e2e
 
@@ -121,24 +121,6 @@ def freeze_while_pinned(node: Node, servers: list[VllmServer], timeout_s: float 
             signal_pids(pids, signal.SIGCONT)  # the step completed in between: again
         time.sleep(0.005)
     raise AssertionError("the pool never held a pin for a load")
-
-
-RECONNECTED = "kvtier: reconnected to the meta service"
-
-
-def reconnects(srv: VllmServer) -> int:
-    return srv.log_text().count(RECONNECTED)
-
-
-def wait_reconnected(srv: VllmServer, seen: int, timeout_s: float = 60) -> None:
-    """Until ``srv``'s scheduler has its new session in use: the service
-    lists a client at its hello, before the client has read the answer, and
-    a request scheduled in between would miss."""
-    deadline = time.monotonic() + timeout_s
-    while reconnects(srv) <= seen:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{srv.url} did not reconnect to the meta service")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,9 @@ etcd missing is a failure, not a skip (CI installs it: .ci/run). Needs the
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,54 +38,12 @@ from kvtier.pool.client import PoolPlacement  # noqa: E402
 from kvtier.tier.dram import DramTier  # noqa: E402
 from kvtier.tools.meta import MetaProcess  # noqa: E402
 from kvtier.tools.server import ServerError, exit_status, free_port, parse_metrics, poll_until  # noqa: E402
+from tests.etcd_member import Etcd, end_lease, leader_lease, leader_now  # noqa: E402
 from tests.unit.helpers import JsonLineProcess, freeze, pool_cluster_up, pool_fetched, wait_for  # noqa: E402
 from tests.unit.helpers import pool_save as save  # noqa: E402
 
 CLIENT = Path(__file__).with_name("cluster_ha_client.py")
 BLOCK_BYTES = 16 << 10  # a block's bytes in the node pools' tests
-
-
-class Etcd:
-    """One etcd member on loopback, its data in ``folder``."""
-
-    def __init__(self, folder: Path) -> None:
-        program = shutil.which("etcd")
-        if program is None:
-            pytest.fail("etcd is not on PATH: the highly available master needs it "
-                        "(apt-get install etcd-server; .ci/run installs it)")
-        client, peer = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{client}"
-        self.log = folder / "etcd.log"
-        # Its data in memory: etcd fsyncs its log on every write, and a slow
-        # disk (CI) must not make the masters' elections or reads time out.
-        self.data = tempfile.mkdtemp(prefix="kvtier-test-etcd-", dir="/dev/shm")
-        self.cmd = [program, "--name", "kvtier-test", "--data-dir", self.data,
-                    "--listen-client-urls", f"http://{self.endpoint}",
-                    "--advertise-client-urls", f"http://{self.endpoint}",
-                    "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                    "--initial-cluster", f"kvtier-test=http://127.0.0.1:{peer}"]
-        self.start()
-
-    def start(self) -> None:
-        """Start the member (again, on its data and ports, after :meth:`kill`)."""
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            etcd.require(self.endpoint, timeout_s=20)
-        except ConfigError:
-            self.close()
-            raise
-
-    def kill(self) -> None:
-        """kill -9 of the member; its data stays for :meth:`start`."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def close(self) -> None:
-        self.kill()
-        shutil.rmtree(self.data, ignore_errors=True)
 
 
 @pytest.fixture
@@ -169,39 +121,6 @@ class Client(JsonLineProcess):
         self.kill()
         if os.path.exists(self.shm):
             os.unlink(self.shm)
-
-
-def _etcd_post(endpoint: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(f"http://{endpoint}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return json.loads(r.read())
-
-
-def leader_now(endpoint: str) -> str | None:
-    """The leading master etcd names, None while none does or etcd is slow to answer."""
-    try:
-        return etcd.leader(endpoint, timeout_s=10)
-    except ConfigError:
-        return None
-
-
-def leader_lease(endpoint: str) -> str:
-    """The id of the etcd lease the leading master holds its key under."""
-    key = base64.b64encode(etcd.leader_key().encode()).decode()
-    kvs = _etcd_post(endpoint, "/v3/kv/range", {"key": key}).get("kvs") or []
-    assert kvs and kvs[0].get("lease"), kvs
-    return kvs[0]["lease"]
-
-
-def end_lease(endpoint: str, lease: str) -> None:
-    """Revoke ``lease`` in etcd, as its running out does: the keys under it
-    go (the standbys watching the leader's key campaign). A lease that ran
-    out already is left as it is."""
-    try:
-        _etcd_post(endpoint, "/v3/lease/revoke", {"ID": lease})
-    except urllib.error.HTTPError:
-        pass  # not found: it ran out meanwhile
 
 
 def test_standby_master_takes_over_when_the_leader_is_killed(etcd_server: Etcd, tmp_path: Path) -> None:
