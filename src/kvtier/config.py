@@ -115,6 +115,14 @@ def parse_int_range(lo: int, hi: int) -> Callable[[str, object, str], int]:
     return parse
 
 
+# An instance waits this long for any answer of its node pool before it
+# counts the pool as gone and reconnects (a new session: its pins and
+# pending saves released). The pool's own waits inside one answer stay
+# well below it: a lookup waits on the cluster half of it at most, so that
+# a cluster that stalls costs a miss, not the instance's session.
+POOL_CALL_TIMEOUT_S = 2.0
+CLUSTER_LOOKUP_WAIT_S = POOL_CALL_TIMEOUT_S / 2
+
 SECONDS_MAX = 7 * 24 * 3600.0  # a week: a longer wait is a mistyped value (and overflows the waits that take it)
 _SECONDS_RE = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?\s*s?$", re.ASCII)
 
@@ -387,7 +395,8 @@ class ClusterConfig:
     Mooncake's transfer metadata (``P2PHANDSHAKE``: none needed). ``etcd_endpoints``:
     a highly available master set (empty: the one master). ``lookup_blocks``: the
     most keys one lookup asks the cluster about. ``timeout_s``: how long the
-    node pool waits for one cluster call before answering a miss.
+    node pool waits for one cluster lookup before answering a miss
+    (``CLUSTER_LOOKUP_WAIT_S``, half an instance's wait for the pool).
     """
 
     master_host: str = "127.0.0.1"
@@ -403,7 +412,7 @@ class ClusterConfig:
     eviction_high_watermark: float = 0.9
     publish_on: PublishOn = PublishOn.SAVE
     lookup_blocks: int = 256
-    timeout_s: float = 2.0
+    timeout_s: float = CLUSTER_LOOKUP_WAIT_S
 
     @property
     def master_address(self) -> str:

@@ -49,6 +49,7 @@ import numpy as np
 import xxhash
 
 from kvtier.cluster.client import Fetched
+from kvtier.config import CLUSTER_LOOKUP_WAIT_S
 from kvtier.errors import ClusterError, TierIOError
 from kvtier.tier import DramTier
 from kvtier.tier.dram import checksum
@@ -517,7 +518,7 @@ class ClusterMover(_Jobs):
     """
 
     def __init__(self, host: ClusterHost, lock: threading.RLock, counts: EventCounts, tier: DramTier,
-                 remote: RemoteTier, *, timeout_s: float = 2.0, queue_blocks: int = 1024,
+                 remote: RemoteTier, *, timeout_s: float = CLUSTER_LOOKUP_WAIT_S, queue_blocks: int = 1024,
                  idle: threading.Condition | None = None) -> None:
         self._host = host
         self._lock = lock

@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from kvtier.config import ClusterConfig, KvtierConfig, PublishOn
+from kvtier.config import CLUSTER_LOOKUP_WAIT_S, ClusterConfig, KvtierConfig, PublishOn
 from kvtier.hostmem import warm_interval_s
 from kvtier.store import Probe, SaveSlots, TieredStore
 from kvtier.tier.dram import DramTier, start_reaper
@@ -132,7 +132,7 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
                            demote_queue_blocks=cfg.demote_queue_blocks,
                            recovered=recovered, cluster=remote,
                            publish_on_evict=cluster is not None and cluster.publish_on is PublishOn.EVICT,
-                           cluster_timeout_s=cluster.timeout_s if cluster is not None else 2.0,
+                           cluster_timeout_s=cluster.timeout_s if cluster is not None else CLUSTER_LOOKUP_WAIT_S,
                            cluster_lookup_blocks=cluster.lookup_blocks if cluster is not None else 256,
                            stale_move_s=cfg.promote_timeout_s)
     except BaseException:

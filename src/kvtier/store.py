@@ -91,6 +91,7 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
+from kvtier.config import CLUSTER_LOOKUP_WAIT_S
 from kvtier.keys import KEY_BYTES
 from kvtier.movers import DEMOTE_GIVE_UP as DEMOTE_GIVE_UP  # re-exported: part of the store's contract
 from kvtier.movers import ClusterMover, PromoteJob, RemoteTier, TierMover
@@ -277,7 +278,7 @@ class TieredStore:
                  io_threads: int = 4, demote_queue_blocks: int = 256,
                  recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]] = (),
                  cluster: RemoteTier | None = None, publish_on_evict: bool = False,
-                 cluster_timeout_s: float = 2.0, cluster_lookup_blocks: int = 256,
+                 cluster_timeout_s: float = CLUSTER_LOOKUP_WAIT_S, cluster_lookup_blocks: int = 256,
                  cluster_queue_blocks: int = 1024, stale_move_s: float = STALE_MOVE_S) -> None:
         self.tier = tier
         self.stale_move_s = self.STALE_MOVE_S

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -393,6 +394,59 @@ def test_a_joined_master_that_stops_answering_is_a_miss_and_the_node_comes_back(
     wait_for(lambda: fetch(node, [bytes.fromhex(k) for k in peer.do(op="save", seed=next(seeds), n=2)["keys"]]) == 2,
              timeout_s=60, what="the cluster's blocks to hit again")
     assert master.restarts == 0  # the same master, thawed: not one the supervisor restarted
+
+
+def test_a_stalled_cluster_lookup_costs_an_instance_a_miss_not_its_session(tmp_path: Path) -> None:
+    """Through a node pool (``kvtier meta`` running its own master): the
+    master frozen (SIGSTOP) after the pool joined it. An instance's lookup
+    waits on the cluster at most ``CLUSTER_LOOKUP_WAIT_S``, so the pool
+    answers (a miss) before the instance's own wait for any answer runs out:
+    the instance keeps its session, and with it the blocks it holds there.
+    (With the two waits equal, the instance gave up on the pool, dropped the
+    session and reconnected, as a takeover under vLLM showed.)"""
+    from kvtier.config import CLUSTER_LOOKUP_WAIT_S, POOL_CALL_TIMEOUT_S
+    from kvtier.pool.client import PoolPlacement
+    from kvtier.tools.meta import MetaProcess
+    from kvtier.tools.server import parse_metrics
+
+    assert CLUSTER_LOOKUP_WAIT_S <= POOL_CALL_TIMEOUT_S / 2
+    (tmp_path / "shm").mkdir()
+    conf = tmp_path / "mmc.conf"
+    conf.write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{free_port()}\n"
+                    f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{free_port()}\n"
+                    "ock.mmc.local_service.dram.size = 8MB\n"
+                    "ock.mmc.local_service.world_size = 1\n"
+                    f"kvtier.shm_dir = {tmp_path / 'shm'}\n"
+                    "kvtier.cluster.enabled = true\n"
+                    f"kvtier.cluster.master_port = {free_port()}\n"
+                    f"kvtier.cluster.master_metrics_port = {free_port()}\n"
+                    "kvtier.cluster.segment_size = 32MB\n")
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log", args=["--cluster-log", str(tmp_path / "master.log")])
+    meta.start()
+    client: PoolPlacement | None = None
+    pid = 0
+    try:
+        client = PoolPlacement(meta.address, ranks=1, rank_bytes=16 << 10, name="a")
+        helpers.wait_for(lambda: helpers.pool_cluster_up(meta.metrics_url), 90, "the pool to join its master")
+        own = [os.urandom(16)]
+        helpers.pool_save(client, own, 1, fill=5)
+        epoch = client.epoch
+        pid = int(parse_metrics(httpx.get(meta.metrics_url + "/metrics", timeout=5).text)["kvtier_cluster_master_pid"])
+        freeze(pid)
+        # Keys the node holds nowhere: the pool asks the cluster, which does not answer.
+        p = client.probe([os.urandom(16) for _ in range(4)])
+        assert (p.total, p.remote) == (0, 0)
+        assert "a lookup took over" in meta.log_text()  # it did wait on the cluster
+        assert (client.epoch, client.stalls, client.failures) == (epoch, 0, 0)
+        assert client.connected
+        assert client.probe(own).ready == 1  # the session's blocks are still there
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        if client is not None:
+            client.shutdown()
+        meta.kill()
+        meta.stop()
 
 
 class FailNextGet:

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from kvtier.config import POOL_CALL_TIMEOUT_S
 from kvtier.pool import wire
 from kvtier.pool.service import parse_url
 from kvtier.pool.statspage import StatsPage
@@ -84,7 +85,8 @@ class PoolRefused(Exception):
 
 class PoolPlacement:
     def __init__(self, url: str, *, ranks: int, rank_bytes: int, name: str = "", token: str | None = None,
-                 timeout_s: float = 2.0, connect: bool = True, promote_timeout_s: float = 0.0) -> None:
+                 timeout_s: float = POOL_CALL_TIMEOUT_S, connect: bool = True, promote_timeout_s: float = 0.0
+                 ) -> None:
         self.url = url
         self._where = parse_url(url)
         self.ranks = ranks
