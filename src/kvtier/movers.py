@@ -740,6 +740,7 @@ class ClusterMover(_Jobs):
             self._asking = (future, time.monotonic())
             found = future.result(self.timeout_s)
         except FutureTimeout:
+            future.cancel()  # still queued behind a stuck one: it never runs
             self._down(f"a lookup took over {self.timeout_s} s")
             return 0
         except ClusterError as err:

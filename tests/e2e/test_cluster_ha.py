@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.e2e
 P2P = 'vllm:prompt_tokens_cached_by_source_total{source="p2p"}'
 PUBLISHED = 'kvtier_cluster_events_total{event="published"}'
 CORRUPT = 'kvtier_cluster_dropped_blocks_total{cause="corrupt"}'
+UNREACHABLE = "is unreachable"  # the instance's line when it gives up on its pool and drops the session
 
 
 class Node:
@@ -86,9 +88,11 @@ class Node:
             return False
 
     def kill(self) -> None:
-        """kill -9 of the node's ``kvtier meta`` and its master (one process group)."""
+        """kill -9 of the node's ``kvtier meta`` and its master (one process
+        group), then reaped (its log closed), so that it can start again."""
         if self.meta.proc is not None and exit_status(self.meta.proc) is None:
             self.meta.kill()
+        self.meta.stop()
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -98,9 +102,16 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd, Node, Node]]:
-    etcd = Etcd(tmp_path_factory.mktemp("etcd"))
-    nodes = [Node(tmp_path_factory.mktemp(f"node{n}"), etcd.endpoint, tiny_model) for n in (1, 2)]
-    try:
+    # Whatever fails, every part started is stopped (each step runs even if
+    # one before it raises): the instances, then the nodes (-9: a node's
+    # pool set up through etcd takes up to 30 s to close), then etcd.
+    with ExitStack() as stack:
+        etcd = Etcd(tmp_path_factory.mktemp("etcd"))
+        stack.callback(etcd.close)
+        nodes = [Node(tmp_path_factory.mktemp(f"node{n}"), etcd.endpoint, tiny_model) for n in (1, 2)]
+        for n in nodes:
+            stack.callback(n.kill)
+            stack.callback(lambda n=n: n.server is not None and n.server.stop())
         with ThreadPoolExecutor(2) as pool:
             for started in [pool.submit(n.meta.start) for n in nodes]:
                 started.result()
@@ -111,28 +122,18 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         # A node's pool joins the leader once its instance attached.
         wait_for(lambda: all(n.cluster_up() for n in nodes), 90, "both pools to join the leading master")
         yield etcd, nodes[0], nodes[1]
-    finally:
-        try:
-            for n in nodes:
-                if n.server is not None:
-                    n.server.stop()
-        finally:
-            # -9: a node's pool set up through etcd takes up to 30 s to close.
-            for n in nodes:
-                n.kill()
-                n.meta.stop()  # reaps it, closes its log
-            etcd.close()
 
 
 def p2p_hit(src: Node, dst: Node, prompt: list[int]) -> bool:
     """``prompt`` prefilled on ``src``, then asked of ``dst``: the same
-    output, and True when all its whole blocks were p2p hits there."""
+    output, and True when all its whole blocks were p2p hits there (False
+    when ``src`` did not publish them all: a put that fails while a pool
+    follows a new leader is not counted)."""
     was = src.pool_metrics().get(PUBLISHED, 0)
     ref = complete(src.vllm, prompt)["text"]
     n_blocks = len(prompt) // BLOCK
-    # The puts end after the request: a few seconds for them (a put that
-    # fails while a pool follows a new leader is not counted; then dst misses).
-    poll_until(lambda: src.pool_metrics().get(PUBLISHED, 0) >= was + n_blocks, 5.0, 0.05)
+    if not poll_until(lambda: src.pool_metrics().get(PUBLISHED, 0) >= was + n_blocks, 30.0, 0.05):
+        return False
     before = dst.vllm.metrics()
     got = complete(dst.vllm, prompt)["text"]
     assert got == ref
@@ -145,14 +146,20 @@ def test_leader_node_killed_under_vllm_the_standby_takes_over_and_hits_resume(
     named = leader_now(etcd.endpoint)
     assert named in {n1.master, n2.master}, named
     leader, standby = (n1, n2) if named == n1.master else (n2, n1)
+    # The standby's instance keeps its session throughout: its pool's
+    # lookups that wait on the lost leader (at most CLUSTER_LOOKUP_WAIT_S;
+    # whether one does depends on the moment, tests/unit/test_cluster.py
+    # makes sure) are answered before the instance's own wait runs out.
+    lost = standby.vllm.log_text().count(UNREACHABLE)
 
-    # Before: the standby's node hits the leader's node's blocks (and back).
-    assert p2p_hit(leader, standby, tokens(71, 16 * BLOCK + 5))
-    assert p2p_hit(standby, leader, tokens(72, 16 * BLOCK + 5))
+    # Before: the standby's node hits the leader's node's blocks, and back.
+    seeds = iter(range(200, 400))
+    wait_for(lambda: p2p_hit(leader, standby, tokens(next(seeds), 16 * BLOCK + 5)), 120, "p2p hits on the standby")
+    wait_for(lambda: p2p_hit(standby, leader, tokens(next(seeds), 16 * BLOCK + 5)), 120, "p2p hits on the leader")
 
-    # Prompts computed on each node (published), then asked of both while
-    # the leading node dies: its instance's loads fail into recompute, its
-    # saves are dropped, the other's cluster lookups miss.
+    # Prompts computed on each node (published), then each asked of both
+    # while the leading node dies: its instance's loads fail into
+    # recompute, its saves are dropped, the other's cluster lookups miss.
     prompts = [tokens(80 + i, 10 * BLOCK + 3) for i in range(4)]
     refs = [complete((leader if i % 2 else standby).vllm, p)["text"] for i, p in enumerate(prompts)]
     results: list[str | None] = [None] * 8
@@ -160,10 +167,12 @@ def test_leader_node_killed_under_vllm_the_standby_takes_over_and_hits_resume(
 
     def ask(i: int) -> None:
         go.wait()
-        results[i] = complete((n1 if i % 2 else n2).vllm, prompts[i % 4])["text"]
+        results[i] = complete((standby if i < 4 else leader).vllm, prompts[i % 4])["text"]
 
+    for n in (n1, n2):
+        assert n.pool_metrics().get(CORRUPT, 0) == 0
+    assert leader_now(etcd.endpoint) == leader.master
     lease = leader_lease(etcd.endpoint)
-    kept = reconnects(standby.vllm)
     with ThreadPoolExecutor(8) as pool:
         futs = [pool.submit(ask, i) for i in range(8)]
         go.set()
@@ -177,9 +186,6 @@ def test_leader_node_killed_under_vllm_the_standby_takes_over_and_hits_resume(
     # The standby takes over: etcd names it, its node lives on.
     wait_for(lambda: leader_now(etcd.endpoint) == standby.master, 60, "etcd to name the standby")
     assert exit_status(standby.meta.proc) is None
-    # Its pool's lookups that waited on the lost leader answered in time:
-    # the instance on it kept its session (its pins and pending saves).
-    assert reconnects(standby.vllm) == kept
     # With the dead node's pool gone, its instance serves on: a new prompt
     # there computes the same output as on the other node.
     fresh = tokens(90, 6 * BLOCK + 1)
@@ -192,10 +198,10 @@ def test_leader_node_killed_under_vllm_the_standby_takes_over_and_hits_resume(
     wait_reconnected(leader.vllm, seen)
     wait_for(lambda: leader.cluster_up() and standby.cluster_up(), 90, "both pools to join the new leader")
     assert leader_now(etcd.endpoint) == standby.master
-    seeds = iter(range(200, 400))
     wait_for(lambda: p2p_hit(standby, leader, tokens(next(seeds), 8 * BLOCK + 1)), 150,
              "p2p hits on the restarted node through the new leader")
     wait_for(lambda: p2p_hit(leader, standby, tokens(next(seeds), 8 * BLOCK + 1)), 150,
              "p2p hits from the restarted node through the new leader")
     for n in (n1, n2):
         assert n.pool_metrics().get(CORRUPT, 0) == 0
+    assert standby.vllm.log_text().count(UNREACHABLE) == lost  # its session kept throughout

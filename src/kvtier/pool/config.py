@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, fields, replace
 from kvtier.config import (
     HOST_RE,
     PLACEHOLDER_RE,
+    POOL_CALL_TIMEOUT_S,
     ClusterConfig,
     KvtierConfig,
     PublishOn,
@@ -274,8 +275,9 @@ _CLIENT_WHY = "instances copy blocks in their own worker processes; SSD I/O thre
 _HBM_WHY = "device memory stays vLLM's own prefix cache; the pool is host DRAM only"
 _FLUSH_WHY = "kvtier writes to SSD while evicting and cleaning DRAM, not on a flush timer"
 _MISC_WHY = "a MemCache feature kvtier does not have"
-_TIMEOUT_WHY = ("an instance waits at most 2 s for one answer of the meta service, then answers a miss and "
-                "reconnects with a backoff of 0.1 s doubling to 5 s, so the engine never waits on the pool")
+_TIMEOUT_WHY = (f"an instance waits at most {POOL_CALL_TIMEOUT_S:g} s for one answer of the meta service, then "
+                "answers a miss and reconnects with a backoff of 0.1 s doubling to 5 s, so the engine never waits "
+                "on the pool")
 _UBSIO_WHY = "UBS-IO's own tuning; kvtier's SSD tier does its own direct I/O"
 
 KEYS: dict[str, PoolKey] = {k.name: k for k in [
