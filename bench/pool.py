@@ -53,7 +53,7 @@ Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--
        ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 2.0]
                [--concurrency 8] [--tput-reps 4] [--dram-size 2GB] [--hits-only | --no-hits]
                [--kv-warm-interval S] [--sets N] [--control] [--bind]
-               [--env KEY=VALUE]
+               [--env KEY=VALUE] [--kvtier KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -726,6 +726,8 @@ def run_ttft(args: argparse.Namespace) -> dict:
                           log_path=logs / f"vllm-{name}.log")
 
     warm = {} if args.kv_warm_interval is None else {"kv_warm_interval_s": args.kv_warm_interval}
+    # --kvtier: more connector config of every kvtier instance (defer_saves=true, ...).
+    warm |= dict(kv.split("=", 1) for kv in args.kvtier)
     # --bind: in the 0 % hits phase, instance A of each configuration on
     # the first half of this process's CPUs, B on the other half (vLLM's
     # VLLM_CPU_OMP_THREADS_BIND), as separate instances on one host are
@@ -738,7 +740,7 @@ def run_ttft(args: argparse.Namespace) -> dict:
     hits = not args.no_hits
     out: dict = {"geometry": args.geometry, "dtype": args.dtype,
                  "memcpy_GBps": memcpy_gbps() if hits else None,
-                 "kv_warm_interval_s": args.kv_warm_interval,
+                 "kv_warm_interval_s": args.kv_warm_interval, "kvtier": args.kvtier,
                  "standalone_load_s": standalone_load_s(args) if hits else None,
                  "prompt_tokens": args.prompt_tokens, "rounds": args.rounds,
                  "hit_reps": args.hit_reps, "gap": args.gap, "hits_only": args.hits_only,
@@ -802,6 +804,7 @@ def print_ttft(res: dict) -> None:
           f"'{res['geometry']}' ({res.get('dtype', 'bfloat16')}), {shape}, "
           f"{res.get('gap', 0)} s quiet before each request, kv_warm_interval_s "
           f"{'default' if res.get('kv_warm_interval_s') is None else res['kv_warm_interval_s']}"
+          + "".join(f", kvtier {kv}" for kv in res.get("kvtier") or [])
           + "".join(f", 0 % hits' instance {x} with {' '.join(f'{k}={v}' for k, v in b.items())}"
                     for x, b in zip("AB", res.get("instance_env") or [{}, {}]) if b)
           + " (median)\n")
@@ -966,13 +969,16 @@ def main(argv: list[str] | None = None) -> int:
                          "and B on the other half (default: each instance on all of them)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="ttft: an environment variable of every instance of the 0 %% hits phase")
+    ap.add_argument("--kvtier", action="append", default=[], metavar="KEY=VALUE",
+                    help="ttft: a kv_connector_extra_config key of every kvtier instance (defer_saves=true)")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--hits-only", action="store_true", help="ttft: the hit measures only (no 0 %% hits phases)")
     only.add_argument("--no-hits", action="store_true", help="ttft: the 0 %% hits measures only")
     args = ap.parse_args(argv)
-    for kv in args.env:
-        if "=" not in kv or kv.startswith("="):
-            ap.error(f"--env {kv!r}: expected KEY=VALUE")
+    for flag, values in (("--env", args.env), ("--kvtier", args.kvtier)):
+        for kv in values:
+            if "=" not in kv or kv.startswith("="):
+                ap.error(f"{flag} {kv!r}: expected KEY=VALUE")
 
     results: dict = {}
     steps = [("lookup", run_lookup, print_lookup), ("scale", run_scale, print_scale),

@@ -242,6 +242,10 @@ class KvtierConfig:
     io_threads: int = 4
     demote_queue_blocks: int = 256
     promote_timeout_s: float = 5.0
+    # CPU workers: copy a step's saves at the start of the next step (vLLM's
+    # handle_preemptions, before it writes any KV) instead of at the end of
+    # the step that computed them, so that the step's tokens go out first.
+    defer_saves: bool = False
     # KV cache in host memory (and the arena, embedded): a byte of each page
     # read this often; 0: never; None: hostmem.warm_interval_s decides (5 s on a VM).
     kv_warm_interval_s: float | None = None
@@ -286,6 +290,7 @@ _CONNECTOR_KEYS: dict[str, tuple[str, Callable[[str, object, str], object]]] = {
     "io_threads": ("io_threads", parse_int_range(1, 64)),
     "demote_queue_blocks": ("demote_queue_blocks", parse_int_range(1, 1 << 20)),
     "promote_timeout_s": ("promote_timeout_s", parse_seconds),
+    "defer_saves": ("defer_saves", parse_bool),
     "kv_warm_interval_s": ("kv_warm_interval_s", parse_seconds),
     "meta_service_url": ("meta_service_url", parse_url_value),
     "token": ("token", parse_token),

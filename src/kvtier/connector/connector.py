@@ -368,6 +368,13 @@ def device_copies_are_async() -> bool:
     return current_platform.device_type == "cuda"
 
 
+def saves_settle_later(cfg: KvtierConfig) -> bool:
+    """Whether a step's saves may still be copied after the step (device
+    copies, or ``defer_saves`` on CPU): the scheduler then delays the frees
+    of finished requests until the workers report their saves done."""
+    return device_copies_are_async() or cfg.defer_saves
+
+
 def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                          cfg: KvtierConfig) -> SchedulerSide:
     spec, layers = kv_cache_spec(kv_cache_config)
@@ -389,7 +396,7 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
         log.info("kvtier: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths), ssd.num_slots,
                  store.counters()["ssd_slots_used"])
     return SchedulerSide(EmbeddedPlacement(store), ns, spec.block_size, ranks,
-                         promote_timeout_s=cfg.promote_timeout_s, async_saves=device_copies_are_async())
+                         promote_timeout_s=cfg.promote_timeout_s, async_saves=saves_settle_later(cfg))
 
 
 def meta_service_url(cfg: KvtierConfig) -> tuple[str, str]:
@@ -447,7 +454,7 @@ def build_pool_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheC
         log.info("kvtier: on the node pool at %s (session %d, arena %s, %d slots)", url, placement.session,
                  placement.arena_path, placement.num_slots)
     return SchedulerSide(placement, ns, spec.block_size, ranks, promote_timeout_s=cfg.promote_timeout_s,
-                         async_saves=device_copies_are_async())
+                         async_saves=saves_settle_later(cfg))
 
 
 def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> WorkerSide:
@@ -463,7 +470,8 @@ def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     # save_kv_layer in turn: saves are then queued after the whole forward.
     ubatching = bool(getattr(vllm_config.parallel_config, "use_ubatching", False))
     return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums, block_tokens=block_tokens,
-                      saves_per_layer=not ubatching, warm_interval_s=warm_interval_s(cfg.kv_warm_interval_s))
+                      saves_per_layer=not ubatching, warm_interval_s=warm_interval_s(cfg.kv_warm_interval_s),
+                      defer_saves=cfg.defer_saves)
 
 
 def worker_rank_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int) -> int | None:
@@ -678,6 +686,19 @@ class KvtierConnector(KVConnectorBase_V1):
                               f"{self._worker_rank_bytes} bytes per rank the DRAM arena is sized for", "vLLM")
             log.error("%s", err)
             raise err
+
+    @_on_engine_path
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM's first call of a step, before it writes any KV (block
+        # zeroing, loads, the forward pass): deferred CPU saves of the steps
+        # before are copied now, while their blocks still hold what was computed.
+        if self._worker is None:
+            return
+        try:
+            self._worker.copy_deferred_saves()
+        except Exception:  # noqa: BLE001 - a failed save is only a future miss
+            log.exception("kvtier: copying the deferred saves failed; they are not kept")
+            self._worker.fail_deferred_saves()
 
     @_on_engine_path
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -18,7 +18,12 @@ Runs in each vLLM worker process (one per rank). Per engine step:
 
 On CPU, copies are synchronous: a block copy is a memcpy far shorter than
 the forward pass that produced it (docs/benchmarks.md measures the cost),
-and a synchronous save cannot race vLLM freeing the block. A thread reads
+and a synchronous save cannot race vLLM freeing the block. With
+``defer_saves``, a step's saves are held and copied at the start of the
+next step (``copy_deferred_saves``, from vLLM's ``handle_preemptions``,
+which comes before vLLM zeroes, copies or writes any KV in that step), so
+that the step's tokens go out first; the step's report, and the frees the
+scheduler delayed, wait for them, as for device copies below. A thread reads
 a byte of each page of vLLM's KV cache every ``kv_warm_interval_s``
 (hostmem.PageWarmer): on a host that takes back memory a guest leaves
 untouched, loads would otherwise write into cold pages at a tenth of
@@ -82,6 +87,17 @@ from kvtier.tier.dram import DramTier, checksum, checksum_runs
 log = logging.getLogger(__name__)
 
 
+class _Deferred:
+    """A held step's saves waiting for the next step's start (``defer_saves``)."""
+
+    @staticmethod
+    def query() -> bool:
+        return False
+
+
+DEFERRED = _Deferred()
+
+
 @dataclass
 class _HeldStep:
     """A step whose report waits for its saves' copies (device copies only)."""
@@ -100,8 +116,12 @@ class _HeldStep:
 class WorkerSide:
     def __init__(self, rank: int, num_blocks: int, verify_checksums: bool = True,
                  kind: LayoutKind | None = None, block_tokens: int | None = None,
-                 saves_per_layer: bool = True, warm_interval_s: float = 0.0) -> None:
+                 saves_per_layer: bool = True, warm_interval_s: float = 0.0, defer_saves: bool = False) -> None:
         self.rank = rank
+        # CPU: a step's saves copied at the start of the next step
+        # (copy_deferred_saves, from vLLM's handle_preemptions) rather than
+        # at its end, so that the step's tokens go out first.
+        self.defer_saves = defer_saves
         self.warm_interval_s = warm_interval_s
         self._warmer: PageWarmer | None = None  # keeps a KV cache in host memory warm for loads
         # Device copies: queue a layer's saves as vLLM announces the layer
@@ -170,6 +190,8 @@ class WorkerSide:
                  len(self._layers), layout.kind.value,
                  f" ({layout.kernel_blocks} kernel blocks per block)" if layout.kernel_blocks > 1 else "",
                  layout.layer_block_bytes, "asynchronous device" if self._copies else "synchronous")
+        if self.defer_saves and self._copies is None:
+            log.info("kvtier: a step's saves are copied at the next step's start (defer_saves)")
 
     def _warm(self, tensors: list[torch.Tensor]) -> None:
         """Keep the pages of vLLM's KV tensors (each storage once) warm
@@ -277,6 +299,14 @@ class WorkerSide:
     # --- loads ------------------------------------------------------------
 
     def start_load_kv(self, plan: StepPlan) -> None:
+        if any(h.done is DEFERRED for h in self._held):
+            # vLLM did not call handle_preemptions before this step, whose
+            # block zeroing may have written the blocks those saves read:
+            # they are dropped, and saves are copied within their step from now on.
+            log.warning("kvtier: vLLM did not call handle_preemptions; deferred saves are dropped and saves "
+                        "are no longer deferred (defer_saves)")
+            self.defer_saves = False
+            self.fail_deferred_saves()
         self._report = StepReport(done={plan.step: 1}) if (plan.loads or plan.saves) else None
         self._last_report = None
         self._step_load_failed = False
@@ -554,10 +584,46 @@ class WorkerSide:
             report.failed_slots.extend(c.slot for c in plan.saves)
             self._stats.add("save_errors", len(plan.saves))
             return
+        if self.defer_saves and report is self._report and plan.step in report.done:
+            # Copied by copy_deferred_saves at the next step's start; the
+            # step's report waits for it (reports go out in step order). Not
+            # when vLLM took the report already (speculative decoding calls
+            # wait_for_save after it): nothing would carry the saves then.
+            held = self._held_step(plan.step)
+            held.registered, held.saves, held.arena, held.done = True, list(plan.saves), plan.arena, DEFERRED
+            return
+        self._copy_and_seal(plan.saves, report.failed_slots)
+
+    def copy_deferred_saves(self) -> None:
+        """Copy and seal the saves deferred by earlier steps (``defer_saves``).
+        Called before vLLM writes any KV in the new step, so their blocks
+        still hold what those steps computed."""
+        for held in self._held:
+            if held.done is not DEFERRED:
+                continue
+            saves, held.saves, held.done = held.saves, [], None
+            if self._tier is None or self._tier.path != held.arena:
+                held.failed_slots.extend(c.slot for c in saves)  # another arena mapped since
+                self._stats.add("save_errors", len(saves))
+                continue
+            self._copy_and_seal(saves, held.failed_slots)
+
+    def fail_deferred_saves(self) -> None:
+        """Give up the deferred saves: their slots are reported failed."""
+        for held in self._held:
+            if held.done is DEFERRED:
+                held.failed_slots.extend(c.slot for c in held.saves)
+                self._stats.add("save_errors", len(held.saves))
+                held.saves, held.done = [], None
+
+    def _copy_and_seal(self, saves: list[BlockCopy], failed_slots: list[int]) -> None:
+        """Copy each block of ``saves`` into its slot and seal it (CPU);
+        the slots of a save that fails go to ``failed_slots``."""
+        assert self._tier is not None
         t0 = time.perf_counter()
-        blocks = [c.block_id for c in plan.saves]
-        slots = [c.slot for c in plan.saves]
-        tier, rank, keys = self._tier, self.rank, [c.key for c in plan.saves]
+        blocks = [c.block_id for c in saves]
+        slots = [c.slot for c in saves]
+        tier, rank, keys = self._tier, self.rank, [c.key for c in saves]
         layers, layout = self._layers, self.layout
         runs = written_runs(layers, layout, tier.rank_bytes)
 
@@ -575,7 +641,7 @@ class WorkerSide:
                     tier.seal(slots[i], keys[i], rank, checksum(tier.rank_view(slots[i], rank), keys[i]))
         except Exception:  # noqa: BLE001 - a failed save is only a future miss
             log.exception("kvtier: saving %d blocks failed", len(blocks))
-            report.failed_slots.extend(slots)
+            failed_slots.extend(slots)
             self._stats.add("save_errors", len(blocks))
             return
         self._stats.add("blocks_saved", len(blocks))
