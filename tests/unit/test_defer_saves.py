@@ -81,3 +81,51 @@ def test_a_step_whose_report_was_taken_first_is_saved_within_the_step(worker_and
     assert report is not None and report.failed_slots == []
     assert tier.verify(1, KEY_B, 0)
     assert w.build_report() is None  # nothing held
+
+
+def test_the_slot_gets_the_block_as_it_is_at_the_next_step_s_start(worker_and_tier) -> None:
+    """The contract: the copy reads the block when the next step starts, so
+    nothing may write it in between (vLLM writes KV only after that hook)."""
+    w, tier, kv = worker_and_tier
+    w.defer_saves = True
+    step(w, StepPlan(step=6, arena=tier.path, saves=[BlockCopy(2, 1, KEY_B)]))
+    kv[2].fill_(3.0)
+    step(w, StepPlan(step=7, arena=tier.path))
+    tier.publish(1)
+    step(w, StepPlan(step=8, arena=tier.path, loads=[BlockCopy(5, 1, KEY_B)]))
+    assert bool((kv[5] == 3.0).all())
+
+
+def test_a_deferred_copy_that_raises_is_reported_failed_never_good(worker_and_tier, monkeypatch) -> None:
+    from kvtier.connector import worker as worker_module
+
+    w, tier, kv = worker_and_tier
+    w.defer_saves = True
+    step(w, StepPlan(step=6, arena=tier.path, saves=[BlockCopy(2, 1, KEY_B)]))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(worker_module, "written_runs", broken)
+    _, report = step(w, StepPlan(step=7, arena=tier.path))
+    assert report is not None and report.done == {6: 1} and report.failed_slots == [1]
+    assert not tier.is_sealed(1, KEY_B)
+    assert w.get_kv_connector_stats().data["save_errors"] == 1
+
+
+def test_deferral_is_off_where_vllm_writes_kv_before_handle_preemptions() -> None:
+    """Its model runner V2 zeroes and copies blocks before the hook, and so
+    does V1 for a KV cache whose new blocks are zeroed (Mamba, mixed
+    precisions): there saves stay within their step."""
+    from types import SimpleNamespace
+
+    from kvtier.config import KvtierConfig
+    from kvtier.connector.connector import defers_saves, saves_settle_later
+
+    on, off = KvtierConfig(defer_saves=True), KvtierConfig()
+    v1, v2 = SimpleNamespace(use_v2_model_runner=False), SimpleNamespace(use_v2_model_runner=True)
+    plain, zeroed = SimpleNamespace(needs_kv_cache_zeroing=False), SimpleNamespace(needs_kv_cache_zeroing=True)
+    assert defers_saves(v1, plain, on) and saves_settle_later(v1, plain, on)
+    assert not defers_saves(v1, plain, off) and not saves_settle_later(v1, plain, off)
+    assert not defers_saves(v2, plain, on) and not saves_settle_later(v2, plain, on)
+    assert not defers_saves(v1, zeroed, on) and not saves_settle_later(v1, zeroed, on)

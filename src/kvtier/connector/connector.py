@@ -368,11 +368,30 @@ def device_copies_are_async() -> bool:
     return current_platform.device_type == "cuda"
 
 
-def saves_settle_later(cfg: KvtierConfig) -> bool:
+def defers_saves(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> bool:
+    """Whether the workers hold a step's saves until the next step's
+    ``handle_preemptions`` (``defer_saves``, on CPU). Only where vLLM calls
+    that hook before it writes any KV of the step: its model runner V2
+    zeroes and copies blocks first, and so does V1 for a KV cache whose new
+    blocks must be zeroed (Mamba, mixed precisions)."""
+    if not cfg.defer_saves or device_copies_are_async():
+        return False
+    try:
+        v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # noqa: BLE001 - a runner vLLM itself refuses: nothing is deferred
+        v2 = True
+    if v2 or getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        log.warning("kvtier: defer_saves is off: %s writes KV before handle_preemptions; saves are copied "
+                    "within their step", "vLLM's model runner V2" if v2 else "zeroing new KV cache blocks")
+        return False
+    return True
+
+
+def saves_settle_later(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> bool:
     """Whether a step's saves may still be copied after the step (device
-    copies, or ``defer_saves`` on CPU): the scheduler then delays the frees
-    of finished requests until the workers report their saves done."""
-    return device_copies_are_async() or cfg.defer_saves
+    copies, or deferred CPU saves): the scheduler then delays the frees of
+    finished requests until the workers report their saves done."""
+    return device_copies_are_async() or defers_saves(vllm_config, kv_cache_config, cfg)
 
 
 def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -396,7 +415,8 @@ def build_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
         log.info("kvtier: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths), ssd.num_slots,
                  store.counters()["ssd_slots_used"])
     return SchedulerSide(EmbeddedPlacement(store), ns, spec.block_size, ranks,
-                         promote_timeout_s=cfg.promote_timeout_s, async_saves=saves_settle_later(cfg))
+                         promote_timeout_s=cfg.promote_timeout_s,
+                         async_saves=saves_settle_later(vllm_config, kv_cache_config, cfg))
 
 
 def meta_service_url(cfg: KvtierConfig) -> tuple[str, str]:
@@ -454,7 +474,7 @@ def build_pool_scheduler_side(vllm_config: VllmConfig, kv_cache_config: KVCacheC
         log.info("kvtier: on the node pool at %s (session %d, arena %s, %d slots)", url, placement.session,
                  placement.arena_path, placement.num_slots)
     return SchedulerSide(placement, ns, spec.block_size, ranks, promote_timeout_s=cfg.promote_timeout_s,
-                         async_saves=saves_settle_later(cfg))
+                         async_saves=saves_settle_later(vllm_config, kv_cache_config, cfg))
 
 
 def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KvtierConfig) -> WorkerSide:
@@ -471,7 +491,7 @@ def build_worker_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     ubatching = bool(getattr(vllm_config.parallel_config, "use_ubatching", False))
     return WorkerSide(rank, kv_cache_config.num_blocks, cfg.verify_checksums, block_tokens=block_tokens,
                       saves_per_layer=not ubatching, warm_interval_s=warm_interval_s(cfg.kv_warm_interval_s),
-                      defer_saves=cfg.defer_saves)
+                      defer_saves=defers_saves(vllm_config, kv_cache_config, cfg))
 
 
 def worker_rank_bytes(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pp_rank: int) -> int | None:
@@ -762,15 +782,16 @@ class KvtierConnector(KVConnectorBase_V1):
 
     @_on_engine_path
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Only requests the scheduler delayed (device copies) are reported;
-        # vLLM frees their blocks then.
+        # Only requests the scheduler delayed (device copies, deferred CPU
+        # saves) are reported; vLLM frees their blocks then.
         if self._worker is None:
             return None, None
         try:
             return self._worker.get_finished(), None
         except Exception:  # noqa: BLE001
             # Freed now rather than never: vLLM's stream already waits for
-            # every queued copy before it can write those blocks again.
+            # every queued copy before it can write those blocks again, and
+            # deferred CPU saves are copied before the next step writes any.
             log.exception("kvtier: checking finished saves failed; delayed frees go ahead")
             return self._worker.release_delayed() or None, None
 

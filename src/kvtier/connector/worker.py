@@ -142,7 +142,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._saved_layers: set[int] = set()  # layers whose saves of step _saved_step are queued
         self._saved_step = -1
-        self._held: list[_HeldStep] = []  # device copies: steps not yet reported, in order
+        self._held: list[_HeldStep] = []  # steps not yet reported, in order (device copies, deferred saves)
         self._delayed: dict[str, int] = {}  # request -> last step with its saves (frees delayed)
         self._last_step = -1
         self._layers: list[torch.Tensor] = []
@@ -606,7 +606,12 @@ class WorkerSide:
                 held.failed_slots.extend(c.slot for c in saves)  # another arena mapped since
                 self._stats.add("save_errors", len(saves))
                 continue
-            self._copy_and_seal(saves, held.failed_slots)
+            try:
+                self._copy_and_seal(saves, held.failed_slots)
+            except Exception:  # noqa: BLE001 - a failed save is only a future miss, never one reported good
+                log.exception("kvtier: saving %d deferred blocks failed", len(saves))
+                held.failed_slots.extend(c.slot for c in saves)
+                self._stats.add("save_errors", len(saves))
 
     def fail_deferred_saves(self) -> None:
         """Give up the deferred saves: their slots are reported failed."""
