@@ -19,7 +19,7 @@ etcd missing is a failure, not a skip (CI installs it: .ci/run). Needs the
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +34,7 @@ from kvtier.tools.server import VllmServer, exit_status, free_port, parse_metric
 from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, complete, delta, reconnects, server_options,  # noqa: E402
                                 tokens, wait_reconnected)
 from tests.etcd_member import Etcd, end_lease, leader_lease, leader_now  # noqa: E402
+from tests.unit.helpers import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -93,11 +94,6 @@ class Node:
         if self.meta.proc is not None and exit_status(self.meta.proc) is None:
             self.meta.kill()
         self.meta.stop()
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    if not poll_until(cond, timeout_s, 0.2):
-        raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
