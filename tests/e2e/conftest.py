@@ -84,13 +84,38 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(16, 900) for _ in range(n)]
 
 
-def complete(srv: VllmServer, prompt: list[int], max_tokens: int = 12) -> dict:
-    r = httpx.post(srv.url + "/v1/completions",
-                   json={"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0},
-                   timeout=600)
+def complete(srv: VllmServer, prompt: list[int], max_tokens: int = 12, salt: str | None = None,
+             ignore_eos: bool = False) -> dict:
+    """Greedy completion of ``prompt``; ``salt``: vLLM's cache salt, under
+    which the prompt's blocks are keyed apart (a miss in both caches);
+    ``ignore_eos``: decode all ``max_tokens``. The answer's text, its
+    token ids (``ids``) and vLLM's usage figures."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": ignore_eos, "return_token_ids": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
-    body = r.json()
-    return {"text": body["choices"][0]["text"], "usage": body["usage"]}
+    answer = r.json()
+    choice = answer["choices"][0]
+    return {"text": choice["text"], "ids": choice["token_ids"], "usage": answer["usage"]}
+
+
+def complete_batch(srv: VllmServer, prompts: list[list[int]], max_tokens: int, salt: str | None = None
+                   ) -> list[dict]:
+    """Greedy completions of ``prompts`` asked in one request, so that vLLM
+    has them all from its first step on, each decoding all ``max_tokens``
+    (``salt`` as for :func:`complete`): each answer's token ids (``ids``)
+    and their log-probabilities (``logprobs``)."""
+    body = {"model": "model", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts)
+    return [{"ids": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]} for c in choices]
 
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:

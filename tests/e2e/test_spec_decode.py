@@ -27,11 +27,7 @@ def spec_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def generate_ids(srv: VllmServer, prompt: list[int], max_tokens: int) -> list[int]:
-    r = httpx.post(srv.url + "/v1/completions", timeout=600,
-                   json={"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                         "ignore_eos": True, "return_token_ids": True})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
+    return complete(srv, prompt, max_tokens=max_tokens, ignore_eos=True)["ids"]
 
 
 def test_blocks_written_during_speculative_decode_load_correctly(spec_server: VllmServer) -> None:
