@@ -38,6 +38,9 @@ def test_times_each_path_and_removes_its_arena(blockcopy, capsys) -> None:
     assert res["bytes"] == 16 * res["block_bytes"]
     for path in ("copies_only", "load", "save_sealed", "save_then_seal"):
         assert len(res[path]) == 2 and all(t > 0 for t in res[path]), path
+    # The paths timed move the right bytes: a prompt's blocks saved and
+    # loaded into other blocks come back equal (the bench raises if not).
+    assert res["round_trip_blocks"] == 16
     blockcopy.report(res)
     out = capsys.readouterr().out
     assert "16 blocks of" in out and "save_sealed" in out and "x memcpy" in out
@@ -71,3 +74,16 @@ def test_the_script_runs_again_with_the_copies_it_measures(glibc_default: bool) 
         assert (tunables, label) == (mine, "glibc's default copies")
     else:
         assert (tunables, label) == (f"{mine}:{NT_TUNABLE}=0x8000", "copies over 0x8000 bytes streamed")
+
+
+def test_the_round_trip_catches_a_load_that_copies_nothing(blockcopy, monkeypatch) -> None:
+    """The figures are of copies that happen: a load path that reports
+    every block good and copies nothing is timed without complaint, and
+    the run then fails at its round trip."""
+    real = blockcopy.scatter_checked
+    monkeypatch.setattr(blockcopy, "scatter_checked", lambda *args: [])
+    args = argparse.Namespace(geometry="tiny", dtype="bfloat16", prompt_tokens=257, block=16, reps=1, kv_size="64MB")
+    with pytest.raises(AssertionError, match="the blocks loaded back differ from the blocks saved"):
+        blockcopy.run(args)
+    monkeypatch.setattr(blockcopy, "scatter_checked", real)
+    assert blockcopy.run(args)["round_trip_blocks"] == 16
