@@ -544,7 +544,11 @@ class ClusterMover(_Jobs):
         self._idle = idle if idle is not None else threading.Condition(lock)
         self._io = ThreadPoolExecutor(CLUSTER_THREADS, thread_name_prefix="kvtier-cluster")
         self._ask = ThreadPoolExecutor(1, thread_name_prefix="kvtier-cluster-lookup")
-        self._asking: tuple[Future, float] | None = None  # the last lookup sent, and when
+        # Lookups handed to ``_ask`` and not yet done, oldest first, each with
+        # when it began to run (0.0 while queued). The lookup thread takes them
+        # in order, so the first is the one running.
+        self._asked: collections.deque[tuple[Future, list[float]]] = collections.deque()
+        self._asked_lock = threading.Lock()
         self._shunned: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # key -> until when
         self._shun_lock = threading.Lock()
         self._shunned_for_errors: set[bytes] = set()  # of _shunned: for a transfer error, not a bad value
@@ -568,10 +572,10 @@ class ClusterMover(_Jobs):
         self._io.shutdown(wait=True)
         self._ask.shutdown(wait=False, cancel_futures=True)
         self._health.join(timeout=5)
-        asking = self._asking
+        asking = self.asking
         if asking is not None:
-            futures_wait([asking[0]], timeout=self.timeout_s)
-        if self._health.is_alive() or (asking is not None and not asking[0].done()):
+            futures_wait([asking], timeout=self.timeout_s)
+        if self._health.is_alive() or (asking is not None and not asking.done()):
             # A lookup or a connection attempt is still inside Mooncake's
             # client: closing it under that call could crash the process.
             log.warning("kvtier cluster: a call to the cluster has not returned; its client is left to the "
@@ -729,15 +733,22 @@ class ClusterMover(_Jobs):
         keys = keys[: self._unshunned_run(keys)]
         if not keys or not self._up:
             return 0
-        stuck = self._asking
-        if stuck is not None and not stuck[0].done() and time.monotonic() - stuck[1] >= self.timeout_s:
-            # A lookup has waited a whole timeout on the cluster and still
-            # runs: a new one would queue behind it and wait its own timeout
-            # (the health check, a cached ping, says "up" again at once).
-            return 0
+        started = [0.0]
+        with self._asked_lock:
+            running = self._oldest_asked_locked()
+            if running is not None and 0.0 < running[1][0] <= time.monotonic() - self.timeout_s:
+                # A lookup has run a whole timeout on the cluster and still
+                # runs: a new one would queue behind it and wait its own
+                # timeout (the health check, a cached ping, says "up" again
+                # at once). The oldest, not the last sent: one sent while
+                # it ran, timed out and cancelled, must not hide it.
+                return 0
+            try:
+                future = self._ask.submit(self._exists, started, list(keys))
+            except RuntimeError:  # closed meanwhile
+                return 0
+            self._asked.append((future, started))
         try:
-            future = self._ask.submit(self.remote.exists, list(keys))
-            self._asking = (future, time.monotonic())
             found = future.result(self.timeout_s)
         except FutureTimeout:
             future.cancel()  # still queued behind a stuck one: it never runs
@@ -761,6 +772,23 @@ class ClusterMover(_Jobs):
             self._c.cluster_lookups += len(keys)
             self._c.cluster_hits += n
         return n
+
+    def _exists(self, started: list[float], keys: list[bytes]) -> list[bool]:
+        started[0] = time.monotonic()
+        return self.remote.exists(keys)
+
+    def _oldest_asked_locked(self) -> tuple[Future, list[float]] | None:
+        asked = self._asked
+        while asked and asked[0][0].done():
+            asked.popleft()
+        return asked[0] if asked else None
+
+    @property
+    def asking(self) -> Future | None:
+        """The cluster lookup running now (or next to run), if any."""
+        with self._asked_lock:
+            oldest = self._oldest_asked_locked()
+        return None if oldest is None else oldest[0]
 
     def _unshunned_run(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have no failed fetch within CLUSTER_SHUN_S."""

@@ -378,8 +378,8 @@ def test_a_joined_master_that_stops_answering_is_a_miss_and_the_node_comes_back(
         freeze(pid)
         p = node.probe(keys)
         assert (p.total, p.remote) == (0, 0)
-        asking = node.cluster._asking
-        assert asking is not None and not asking[0].done()  # it gave up on its own
+        asking = node.cluster.asking
+        assert asking is not None and not asking.done()  # it gave up on its own
         wait_for(lambda: not node.cluster.up, what="the cluster marked down")
         assert node.counters()["cluster_down"] >= 1
         own = [block_key(70, 9)]

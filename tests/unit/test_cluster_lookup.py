@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -86,11 +87,35 @@ def test_lookups_do_not_queue_behind_one_stuck_on_the_cluster(slow: tuple[Tiered
     # gets; the nine made while the first was stuck were never sent (they
     # would have queued behind it, each waiting its own timeout).
     remote.release.set()
-    assert poll_until(lambda: store.cluster._asking[0].done(), 10)
+    assert poll_until(lambda: store.cluster.asking is None, 10)
     store.cluster.timeout_s = 30  # the next lookup is answered, however late its thread runs
     assert poll_until(lambda: store.cluster.up, 10)
     assert store.probe([os.urandom(16)]).total == 0
     assert remote.calls == 2
+
+
+def test_a_lookup_sent_behind_a_stuck_one_does_not_hide_it(make_tier) -> None:
+    """A second lookup sent while the first still ran within its timeout
+    queues behind it, times out and is cancelled. Once the cluster counts
+    as up again, a third lookup sees the first still running past its
+    timeout and answers at once: it is not sent to wait its own timeout
+    behind the first, which would mark the cluster down a second time."""
+    remote = SlowMaster()
+    with store_on_remote(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), remote, remote.release.set,
+                         cluster_timeout_s=1.0) as store:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(store.probe, [os.urandom(16)])
+            assert poll_until(lambda: remote.busy, 10)  # running on the cluster's thread
+            second = pool.submit(store.probe, [os.urandom(16)])  # sent within the first's timeout
+            assert first.result().total == 0 and second.result().total == 0
+        downs = store.counters()["cluster_down"]  # 1, or 2 if it was up again between their timeouts
+        assert remote.calls == 1 and downs >= 1
+        assert poll_until(lambda: store.cluster.up, 10)  # the health check's cached ping
+        assert store.probe([os.urandom(16)]).total == 0
+        assert remote.calls == 1
+        assert store.counters()["cluster_down"] == downs  # (before: one more, the third lookup timed out too)
+        assert store.cluster.up
+        assert store.cluster.asking is not None and not store.cluster.asking.done()
 
 
 def test_the_client_is_not_closed_under_a_lookup_still_running(slow: tuple[TieredStore, SlowMaster]) -> None:
