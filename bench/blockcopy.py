@@ -137,8 +137,9 @@ def run(args: argparse.Namespace) -> dict:
                          ("save_then_seal", save_then_seal)):
             fn(*pick())  # one untimed pass
             res[name] = timed(fn)
-        # Untimed: what was timed moves the right bytes. Blocks saved from
-        # the first half and loaded into the second must come back equal.
+        # Untimed: the save and load paths timed (gather_sealed,
+        # scatter_checked) move the right bytes. Blocks saved from the
+        # first half and loaded into the second must come back equal.
         half = kv_blocks // 2
         src, dst, slot_ids = rng.sample(range(half), n), rng.sample(range(half, kv_blocks), n), pick()[0]
         save_sealed(slot_ids, src)

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
@@ -757,7 +757,7 @@ class ClusterMover(_Jobs):
         except ClusterError as err:
             self._down(err)
             return 0
-        except RuntimeError:  # closed meanwhile
+        except CancelledError:  # queued when the mover closed: no thread will run it
             return 0
         except Exception as err:  # noqa: BLE001 - an answer not understood: down, as for any failed call
             log.exception("kvtier cluster: a lookup failed")

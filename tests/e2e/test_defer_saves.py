@@ -82,9 +82,6 @@ def test_concurrent_requests_with_deferred_saves_give_the_same_outputs(deferring
     assert FALLBACK not in deferring.log_text()
 
 
-
-
-
 def test_requests_preempted_the_step_after_their_saves_keep_what_was_computed(deferring: VllmServer) -> None:
     """Eight cold two-block prompts, asked in one request, decode together
     until they outgrow the device cache (40 blocks: five each). The step

@@ -102,17 +102,25 @@ def test_a_lookup_sent_behind_a_stuck_one_does_not_hide_it(make_tier) -> None:
     behind the first, which would mark the cluster down a second time."""
     remote = SlowMaster()
     with store_on_remote(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), remote, remote.release.set,
-                         cluster_timeout_s=1.0) as store:
+                         cluster_timeout_s=3.0) as store:
+        ask = store.cluster._ask
+        sent = []  # lookups handed to the cluster's thread
+
+        def counted_submit(*args):  # noqa: ANN002, ANN202
+            sent.append(args)
+            return type(ask).submit(ask, *args)
+        ask.submit = counted_submit
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(store.probe, [os.urandom(16)])
             assert poll_until(lambda: remote.busy, 10)  # running on the cluster's thread
             second = pool.submit(store.probe, [os.urandom(16)])  # sent within the first's timeout
             assert first.result().total == 0 and second.result().total == 0
+        assert len(sent) == 2  # the second was sent, queued behind the first: the case this test is about
         downs = store.counters()["cluster_down"]  # 1, or 2 if it was up again between their timeouts
         assert remote.calls == 1 and downs >= 1
         assert poll_until(lambda: store.cluster.up, 10)  # the health check's cached ping
         assert store.probe([os.urandom(16)]).total == 0
-        assert remote.calls == 1
+        assert remote.calls == 1 and len(sent) == 2  # not sent
         assert store.counters()["cluster_down"] == downs  # (before: one more, the third lookup timed out too)
         assert store.cluster.up
         assert store.cluster.asking is not None and not store.cluster.asking.done()
@@ -124,6 +132,26 @@ def test_the_client_is_not_closed_under_a_lookup_still_running(slow: tuple[Tiere
     assert poll_until(lambda: remote.busy, 10)  # running, not queued (close would cancel a queued one)
     store.close()
     assert not remote.closed and not remote.closed_under_a_call
+
+
+def test_a_lookup_queued_when_the_store_closes_is_a_plain_miss(make_tier, caplog) -> None:
+    """Closing cancels a lookup still queued behind a running one: its
+    caller gets a miss, not an error logged as a failed lookup."""
+    remote = SlowMaster()
+    with store_on_remote(make_tier(4096 * 4 + 16 * (4096 + 128), 4096), remote, remote.release.set,
+                         cluster_timeout_s=30) as store:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(store.probe, [os.urandom(16)])
+            assert poll_until(lambda: remote.busy, 10)
+            second = pool.submit(store.probe, [os.urandom(16)])
+            assert poll_until(lambda: len(store.cluster._asked) == 2, 10)  # queued behind the first
+            store.cluster.timeout_s = 0.1  # close()'s own wait for the running one
+            with caplog.at_level("WARNING", logger="kvtier"):
+                store.cluster.close()
+                assert second.result().total == 0
+            remote.release.set()
+            assert first.result().total == 0
+    assert "a lookup failed" not in caplog.text
 
 
 def test_the_client_is_closed_when_no_call_runs(slow: tuple[TieredStore, SlowMaster]) -> None:
