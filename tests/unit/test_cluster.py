@@ -646,6 +646,57 @@ def test_peer_node_killed_is_a_miss_counted_and_the_store_lives(make_tier, peer:
         store.close()
 
 
+@own_master  # the peer is frozen: the module's other tests would wait on it
+def test_a_peer_frozen_mid_fetch_is_a_miss_and_its_slots_come_back(make_tier, peer: Peer,
+                                                                    master: MasterSupervisor,
+                                                                    cluster_cfg: ClusterConfig) -> None:
+    """The node holding published blocks stops (SIGSTOP, all its threads)
+    before this node fetches them: Mooncake's get waits on it. Lookups
+    count the blocks as a miss once the fetch has run past stale_move_s,
+    and never wait for it; the blocks' DRAM slots stay taken while the
+    call may still write them; the store saves and finds its own blocks
+    meanwhile. Once the peer runs again, every fetch ends: a block is
+    READY only if it arrived whole and verified, the others' slots are
+    free, and nothing is left moving."""
+    tier = make_tier(4096 * 4 + 32 * (RANK_BYTES + 128), RANK_BYTES)
+    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(replace(cluster_cfg, segment_bytes=0), tier),
+                        cluster_timeout_s=5.0)
+    try:
+        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
+        keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=13, n=4)["keys"]]
+        p = store.probe(keys)
+        assert (p.ready, p.total, p.remote) == (0, 4, 4)
+        pid = peer.proc.pid
+        freeze(pid)
+        try:
+            assert store.promote(keys) == 4
+            wait_for(lambda: store.probe(keys).total == 0, timeout_s=60,
+                     what="lookups to count the stalled fetch as a miss")
+            assert store.counters()["moves_stalled"] >= 1
+            assert store.moving().from_cluster == 4  # still inside Mooncake's call: their slots stay taken
+            assert store.used_slots == 4
+            mine = [block_key(14, i) for i in range(2)]
+            assert None not in save_blocks(store, mine, 0, seed=14)
+            assert store.probe(mine).ready == 2
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: store.wait_idle(0.1), timeout_s=120, what="the fetches to end once the peer runs")
+        c = store.counters()
+        ends = (c["cluster_fetched"], c["cluster_fetch_errors"], c["cluster_gone"], c["cluster_corrupt"])
+        assert sum(ends) == 4 and c["cluster_corrupt"] == 0, ends
+        assert store.moving().from_cluster == 0
+        held = [k for k in keys if store.contains(k)]
+        assert len(held) == c["cluster_fetched"]
+        for k in held:  # sealed under its key, with the bytes the peer saved
+            slot = store.pin([k], 1)[0]
+            assert slot is not None and tier.verify(slot, k, 0)
+            assert np.array_equal(tier.rank_view(slot, 0).numpy(), block_bytes(13, keys.index(k), 0, RANK_BYTES))
+        store.complete_step(1)
+        assert store.used_slots == 2 + len(held) and store.odd_keys_consistent()
+    finally:
+        store.close()
+
+
 def test_stalled_lookup_times_out_and_marks_the_cluster_down(make_tier, tmp_path: Path) -> None:
     """A master that accepts connections but never answers (a stalled peer):
     lookups answer 0 at once, the store stays usable and the process is not
