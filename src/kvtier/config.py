@@ -299,6 +299,44 @@ _CONNECTOR_KEYS: dict[str, tuple[str, Callable[[str, object, str], object]]] = {
 # The names the seeds' config files use, accepted as written there.
 _ALIASES = {"rewarm.dram_watermark": "rewarm_dram_watermark"}
 
+# Connector keys that size or tune the store itself. On a shared pool the
+# meta service owns the store and reads them from its own files: here,
+# the key of those files that does the same, or None where the service
+# keeps kvtier's default.
+POOL_OWNED_KEYS: dict[str, str | None] = {
+    "dram_size": "ock.mmc.local_service.dram.size (per device)",
+    "evict_threshold_high": "ock.mmc.evict_threshold_high",
+    "evict_threshold_low": "ock.mmc.evict_threshold_low",
+    "shm_dir": "kvtier.shm_dir",
+    "ssd_path": "ubsio.disk.path",
+    "ssd_size": "kvtier.ssd_size",
+    "force_new_disk": "ubsio.standalone.force_new_disk",
+    "ssd_evict_threshold_high": None,
+    "ssd_evict_threshold_low": None,
+    "rewarm_dram_watermark": "ock.mmc.rewarm.dram_watermark",
+    "io_threads": "kvtier.io_threads",
+    "demote_queue_blocks": None,
+}
+# Keys only a shared pool's client reads.
+POOL_CLIENT_KEYS = ("meta_service_url", "token")
+
+
+def keys_not_used(extra: Mapping[str, object] | None, cfg: KvtierConfig) -> list[str]:
+    """Lines naming each key of ``extra`` (already parsed into ``cfg``)
+    that this backend does not read, and where it belongs instead."""
+    lines = []
+    for key in extra or {}:
+        name = _ALIASES.get(key, key)
+        if cfg.backend.shared and name in POOL_OWNED_KEYS:
+            where = POOL_OWNED_KEYS[name]
+            lines.append(f"{key!r} is not used with backend {cfg.backend.value}: the meta service sizes and "
+                         f"runs the pool from its own config files"
+                         + (f" (there: {where})" if where else " (it keeps kvtier's default there)"))
+        elif not cfg.backend.shared and name in POOL_CLIENT_KEYS:
+            lines.append(f"{key!r} is not used with backend {cfg.backend.value}: only a shared pool's client "
+                         "(backend pool or memcache) reads it")
+    return lines
+
 _SOURCE = "kv_connector_extra_config"
 
 

@@ -7,6 +7,7 @@ import pytest
 from kvtier.config import (
     Backend,
     KvtierConfig,
+    keys_not_used,
     known_connector_keys,
     parse_connector_config,
     parse_size,
@@ -220,3 +221,33 @@ def test_the_instances_service_url_accepts_what_the_service_listens_on() -> None
     for url in ("tcp://127.0.0.1:5000", "tcp://[::1]:5000", "unix:///run/kvtier/meta.sock"):
         cfg = parse_connector_config({"backend": "pool", "meta_service_url": url}, check_memory=False)
         assert cfg.meta_service_url == url
+
+
+def test_store_keys_given_to_a_shared_pool_are_named_as_not_used() -> None:
+    """The meta service owns a shared pool's store: a dram_size or ssd_path
+    left in an instance's extra config would otherwise look in force."""
+    extra = {"backend": "pool", "ssd_path": "/tmp/x.img", "dram_size": "1GB", "promote_timeout_s": "9s",
+             "rewarm.dram_watermark": 99, "demote_queue_blocks": 8}
+    lines = keys_not_used(extra, parse_connector_config(extra, check_memory=False))
+    assert len(lines) == 4, lines
+    assert lines[0].startswith("'ssd_path' is not used with backend pool") and "(there: ubsio.disk.path)" in lines[0]
+    assert "ock.mmc.local_service.dram.size (per device)" in lines[1]
+    assert lines[2].startswith("'rewarm.dram_watermark'") and "ock.mmc.rewarm.dram_watermark" in lines[2]
+    assert "kvtier's default" in lines[3]
+
+
+def test_pool_keys_given_to_an_embedded_store_are_named_as_not_used() -> None:
+    extra = {"token": "s3cret-s3cret-s3cret", "meta_service_url": "tcp://127.0.0.1:5000", "dram_size": "1GB"}
+    lines = keys_not_used(extra, parse_connector_config(extra, check_memory=False))
+    assert [line.split(" ", 1)[0] for line in lines] == ["'token'", "'meta_service_url'"]
+    assert keys_not_used({"backend": "pool", "token": "s3cret-s3cret-s3cret"},
+                         parse_connector_config({"backend": "pool"}, check_memory=False)) == []
+
+
+def test_the_pool_keys_named_for_store_keys_exist() -> None:
+    from kvtier.config import POOL_OWNED_KEYS
+    from kvtier.pool.config import KEYS
+
+    assert set(POOL_OWNED_KEYS) <= set(known_connector_keys())
+    for where in filter(None, POOL_OWNED_KEYS.values()):
+        assert where.split(" ")[0] in KEYS, where

@@ -237,6 +237,22 @@ def test_an_inert_connector_does_nothing_and_says_so_once(shm_dir, kvtier_log) -
     assert shm_names(shm_dir) == ["kvtier-dram-999999999-old"]  # no arena made, none removed
 
 
+def test_store_keys_an_instance_of_a_shared_pool_does_not_use_are_said_once(shm_dir, kvtier_log) -> None:
+    """An instance moved from backend embedded to the node's pool with its
+    ssd_path left in: a warning a key says the meta service's files decide
+    (prefix caching off keeps the test off any service)."""
+    extra = {"backend": "pool", "ssd_path": "/tmp/kvtier-not-used.img", "shm_dir": shm_dir}
+    cfg = vllm_config(extra=extra, cache={"enable_prefix_caching": False})
+    KvtierConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config()).shutdown()
+    lines = [r.getMessage() for r in kvtier_log if r.levelno >= logging.WARNING]
+    assert lines[:2] == [
+        "kvtier: 'ssd_path' is not used with backend pool: the meta service sizes and runs the pool from its own "
+        "config files (there: ubsio.disk.path)",
+        "kvtier: 'shm_dir' is not used with backend pool: the meta service sizes and runs the pool from its own "
+        "config files (there: kvtier.shm_dir)"]
+    assert sum("is not used with backend" in line for line in lines) == 2
+
+
 def test_a_refused_spec_stops_start_up_before_any_arena_is_made(shm_dir) -> None:
     cfg = vllm_config(extra={"dram_size": "8MB", "shm_dir": shm_dir})
     with pytest.raises(ConfigError):

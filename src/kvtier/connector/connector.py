@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from kvtier.config import KvtierConfig, check_dram_fits, parse_connector_config
+from kvtier.config import KvtierConfig, check_dram_fits, keys_not_used, parse_connector_config
 from kvtier.connector.meta import StepPlan
 from kvtier.connector.scheduler import SchedulerSide, arena_path, remove_stale_arenas
 from kvtier.connector.stats import KvtierPromMetrics, KvtierStats
@@ -545,6 +545,8 @@ class KvtierConnector(KVConnectorBase_V1):
             cfg = parse_connector_config(extra, check_memory=False)
             check_vllm_config(vllm_config, cfg)
             if role == KVConnectorRole.SCHEDULER:
+                for line in keys_not_used(extra, cfg):  # said once, by the scheduler half
+                    log.warning("kvtier: %s", line)
                 self._inert = inert_reason(vllm_config, kv_cache_config)
                 if self._inert is not None:
                     # Only the scheduler half decides: with no lookups and no
