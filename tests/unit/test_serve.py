@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.serve import STATE_FILE, Serve, find_configs, process_start_time, stop
+from kvtier.tools.serve import (
+    STATE_FILE,
+    Serve,
+    devices_per_instance,
+    find_configs,
+    process_start_time,
+    split_devices,
+    stop,
+    visible_devices,
+)
 from kvtier.tools.server import ServerError, free_port
 
 _WAITER = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
@@ -424,3 +433,61 @@ def test_a_meta_service_that_fails_to_start_leaves_no_folder_behind(tmp_path: Pa
         meta.start()
     assert "ock.mmc.local_service.world_size" in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.log", "mmc-local.conf"]
+
+
+@pytest.mark.parametrize(("args", "n"), [
+    ([], 1), (["-tp", "2"], 2), (["--tensor-parallel-size=4", "--max-model-len", "64"], 4),
+    (["-tp", "2", "--pipeline-parallel-size", "2"], 4), (["-dp", "2", "-tp", "2"], 4),
+])
+def test_the_devices_an_instance_takes_follow_vllms_parallel_sizes(args: list[str], n: int) -> None:
+    assert devices_per_instance(args) == n
+
+
+@pytest.mark.parametrize("args", [["-tp", "two"], ["-tp"], ["--pipeline-parallel-size=0"]])
+def test_a_parallel_size_that_is_not_a_count_is_named(args: list[str]) -> None:
+    with pytest.raises(ServerError, match=args[0].split("=")[0]):
+        devices_per_instance(args)
+
+
+def test_instances_get_disjoint_devices_and_too_few_devices_are_refused(tmp_path: Path) -> None:
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    for bus in ("0000:17:00.0", "0000:31:00.0", "0000:b1:00.0", "0000:ca:00.0"):
+        (gpus / bus).mkdir()
+    assert visible_devices({}, str(gpus)) == ["0", "1", "2", "3"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "3, 5,6"}, str(gpus)) == ["3", "5", "6"]
+    assert visible_devices({}, str(tmp_path / "no-driver")) is None  # vLLM's CPU build: nothing to split
+    assert split_devices(2, 2, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
+    assert split_devices(3, 1, ["3", "5", "6"]) == ["3", "5", "6"]
+    assert split_devices(4, 8, None) is None
+    with pytest.raises(ServerError, match=r"--instances 2 with 2 device\(s\) each .* need 4 devices; 3 visible"):
+        split_devices(2, 2, ["3", "5", "6"])
+
+
+def test_too_few_gpus_for_the_instances_are_named_before_anything_starts(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    s = Serve("m", 2, tmp_path / "logs", vllm_args=["-tp", "2"], out=lambda *_: None)
+    refused(s, "need 4 devices; 2 visible")
+    assert s.meta is None and s.instances == []
+
+
+def test_each_instance_is_started_on_its_own_devices(tmp_path: Path, monkeypatch) -> None:
+    """What each vLLM process is given (the spawn itself recorded, not run)."""
+    import kvtier.tools.serve as serve_mod
+
+    started: list[dict[str, str]] = []
+
+    class Spawned:
+        pid = 0
+
+    def popen(argv, *, env, **kw):  # noqa: ANN001, ANN003, ANN202
+        started.append(env)
+        return Spawned()
+    monkeypatch.setattr(serve_mod.subprocess, "Popen", popen)
+    s = Serve("m", 2, tmp_path, out=lambda *_: None)
+    base = {"PATH": "/usr/bin"}
+    for i, devices in enumerate(["0,1", "2,3"]):
+        s._start_instance(i, base, devices)
+    s._start_instance(2, base, None)
+    assert [e.get("CUDA_VISIBLE_DEVICES") for e in started] == ["0,1", "2,3", None]
+    assert base == {"PATH": "/usr/bin"}  # the shared environment is left as it was

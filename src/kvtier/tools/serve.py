@@ -57,6 +57,59 @@ def process_start_time(pid: int) -> int | None:
 
 OWN_HEADER = "# written by kvtier serve\n"
 
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU the driver sees
+# vLLM's flags whose values multiply into the devices one instance uses.
+_PARALLEL_FLAGS = {"-tp": "tp", "--tensor-parallel-size": "tp", "-pp": "pp", "--pipeline-parallel-size": "pp",
+                   "-dp": "dp", "--data-parallel-size": "dp"}
+
+
+def devices_per_instance(vllm_args: list[str]) -> int:
+    """The devices one vLLM instance takes: its tensor x pipeline x data
+    parallel sizes, as given among ``vllm_args`` (1 each when absent)."""
+    sizes = {"tp": 1, "pp": 1, "dp": 1}
+    for i, arg in enumerate(vllm_args):
+        flag, eq, value = arg.partition("=")
+        if flag not in _PARALLEL_FLAGS:
+            continue
+        if not eq:
+            value = vllm_args[i + 1] if i + 1 < len(vllm_args) else ""
+        try:
+            n = int(value)
+        except ValueError:
+            raise ServerError(f"{flag} {value!r}: expected a whole number") from None
+        if n < 1:
+            raise ServerError(f"{flag} {value!r}: at least 1")
+        sizes[_PARALLEL_FLAGS[flag]] = n
+    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+
+
+def visible_devices(environ: dict[str, str], gpus_dir: str = NVIDIA_GPUS) -> list[str] | None:
+    """The CUDA devices the instances may take: ``CUDA_VISIBLE_DEVICES``'s
+    list where set, else one index per GPU the NVIDIA driver lists; None
+    where there is none (vLLM's CPU build)."""
+    given = environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [d.strip() for d in given.split(",") if d.strip()]
+    try:
+        count = len(os.listdir(gpus_dir))
+    except OSError:
+        return None
+    return [str(i) for i in range(count)] or None
+
+
+def split_devices(instances: int, per_instance: int, devices: list[str] | None) -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` for each instance: consecutive, disjoint
+    sets of ``per_instance`` devices, so that instances do not start on the
+    same GPU. None where there are no devices to split (CPU)."""
+    if devices is None:
+        return None
+    need = instances * per_instance
+    if need > len(devices):
+        raise ServerError(f"--instances {instances} with {per_instance} device(s) each (vLLM's tensor, pipeline "
+                          f"and data parallel sizes) need {need} devices; {len(devices)} visible "
+                          f"({','.join(devices) or 'none'}): fewer instances, or CUDA_VISIBLE_DEVICES")
+    return [",".join(devices[i * per_instance : (i + 1) * per_instance]) for i in range(instances)]
+
 
 def write_own(path: Path, text: str) -> None:
     """Write ``path`` unless it is a file kvtier serve did not write (one
@@ -266,12 +319,14 @@ class Serve:
         tmp.replace(self.log_dir / STATE_FILE)
         self._wrote = True
 
-    def _start_instance(self, i: int, env: dict[str, str]) -> Instance:
+    def _start_instance(self, i: int, env: dict[str, str], devices: str | None = None) -> Instance:
         port = self.first_port + i if self.first_port else free_port()
         log_path = self.log_dir / f"vllm-{i}.log"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", self.host, "--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--kv-transfer-config", _transfer_config(), *self.vllm_args]
+        if devices is not None:
+            env = {**env, "CUDA_VISIBLE_DEVICES": devices}
         fd = open_log(log_path)
         try:
             proc = subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -337,6 +392,9 @@ class Serve:
                               f"stop it (kvtier stop --log-dir {self.log_dir}) or choose another folder")
         self._write_state()  # the supervisor, before anything starts: kvtier stop finds it from now on
         self._check_ports()
+        # Found before anything starts: N instances on one GPU would each
+        # take vLLM's share of its memory, and all but the first fail.
+        devices = split_devices(self.n, devices_per_instance(self.vllm_args), visible_devices(dict(os.environ)))
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
         if self._stop.is_set():  # kvtier stop (or Ctrl-C) during the checks: nothing is started
             raise ServerError("interrupted during start-up")
@@ -352,11 +410,12 @@ class Serve:
         for i in range(self.n):
             if self._stop.is_set():
                 raise ServerError("interrupted during start-up")
-            inst = self._start_instance(i, env)
+            inst = self._start_instance(i, env, devices[i] if devices else None)
             self.instances.append(inst)
             self._write_state()
             self._wait_ready(inst)
-            self.out(f"instance {i}    {inst.url}/v1   (log {inst.log_path})")
+            on = f", CUDA devices {devices[i]}" if devices else ""
+            self.out(f"instance {i}    {inst.url}/v1   (log {inst.log_path}{on})")
         self._write_state()
 
     def watch(self) -> int:
