@@ -457,6 +457,8 @@ def test_instances_get_disjoint_devices_and_too_few_devices_are_refused(tmp_path
     assert visible_devices({}, str(gpus)) == ["0", "1", "2", "3"]
     assert visible_devices({"CUDA_VISIBLE_DEVICES": "3, 5,6"}, str(gpus)) == ["3", "5", "6"]
     assert visible_devices({}, str(tmp_path / "no-driver")) is None  # vLLM's CPU build: nothing to split
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}, str(gpus)) is None  # no device: nothing to split
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "-1"}, str(gpus)) is None
     assert split_devices(2, 2, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
     assert split_devices(3, 1, ["3", "5", "6"]) == ["3", "5", "6"]
     assert split_devices(4, 8, None) is None

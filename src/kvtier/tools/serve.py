@@ -86,10 +86,11 @@ def devices_per_instance(vllm_args: list[str]) -> int:
 def visible_devices(environ: dict[str, str], gpus_dir: str = NVIDIA_GPUS) -> list[str] | None:
     """The CUDA devices the instances may take: ``CUDA_VISIBLE_DEVICES``'s
     list where set, else one index per GPU the NVIDIA driver lists; None
-    where there is none (vLLM's CPU build)."""
+    where there is none (vLLM's CPU build, or the variable set empty)."""
     given = environ.get("CUDA_VISIBLE_DEVICES")
     if given is not None:
-        return [d.strip() for d in given.split(",") if d.strip()]
+        # Empty (or "-1", CUDA's "none"): no device, as on the CPU build.
+        return [d.strip() for d in given.split(",") if d.strip()] if given.strip() not in ("", "-1") else None
     try:
         count = len(os.listdir(gpus_dir))
     except OSError:
