@@ -70,9 +70,9 @@ class Node:
         self.model = model
         self.servers: dict[str, VllmServer] = {}
 
-    def instance(self, name: str) -> VllmServer:
-        opts = server_options(self.model, {"backend": "memcache", **PROMOTE_WAIT}, env=self.meta.env_for_clients()
-                              | {"VLLM_LOG_STATS_INTERVAL": "1"})
+    def instance(self, name: str, model: str | None = None) -> VllmServer:
+        opts = server_options(model or self.model, {"backend": "memcache", **PROMOTE_WAIT},
+                              env=self.meta.env_for_clients() | {"VLLM_LOG_STATS_INTERVAL": "1"})
         srv = VllmServer(opts, log_path=self.folder / f"vllm-{name}.log")
         self.servers[name] = srv
         return srv.start()

@@ -206,6 +206,7 @@ USED: dict[str, tuple[str, str, object, str]] = {
     "kvtier.shm_dir": ("/dev/hugepages", "shm_dir", "/dev/hugepages", ""),
     "kvtier.ssd_size": ("64GB", "ssd_size_bytes", 64 * GIB, SSD_ON),
     "kvtier.io_threads": ("8", "io_threads", 8, ""),
+    "kvtier.slot_rank_bytes": ("512KiB", "slot_rank_bytes", 512 << 10, ""),
     "kvtier.warm_interval": ("2.5s", "warm_interval_s", 2.5, ""),
     "kvtier.node_service_url": ("tcp://127.0.0.1:5010", "node_service_url", "tcp://127.0.0.1:5010", ""),
     "kvtier.cluster.enabled": ("true", "cluster_enabled", True, ""),

@@ -209,6 +209,35 @@ def test_a_restart_with_another_geometry_starts_cold_and_removes_the_old_arena(t
         stop_all(meta, c, d)
 
 
+def test_a_restart_whose_first_instance_has_smaller_blocks_adopts_the_larger_arena(tmp_path: Path) -> None:
+    """Two models shared the pool, the larger one's instance first. After a
+    kill -9, the smaller one's instance comes back first: its blocks fit
+    the old arena's parts, so the arena is adopted (the larger model's
+    blocks kept) rather than made anew for the smaller blocks, which would
+    leave the larger model out."""
+    conf = configs(tmp_path)
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    big = small = None
+    try:
+        big = PoolPlacement(meta.address, ranks=1, rank_bytes=2 * RANK_BYTES, name="big")
+        small = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="small")
+        theirs, mine = keys(7, 2), keys(8, 2)
+        save(big, theirs)
+        save(small, mine)
+        arena = big.arena_path
+        big.shutdown()
+        small.shutdown()
+        meta.kill()
+        meta.start()
+        small = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="small")
+        assert small.arena_path == arena and "4 blocks adopted from the old arena" in meta.log_text()
+        assert small.probe(mine).ready == 2
+        big = PoolPlacement(meta.address, ranks=1, rank_bytes=2 * RANK_BYTES, name="big")
+        assert big.probe(theirs).ready == 2
+    finally:
+        stop_all(meta, big, small)
+
+
 def test_a_stopped_service_holds_up_the_engine_once_then_lookups_miss_at_once(tmp_path: Path) -> None:
     # SIGSTOP: the kernel still accepts connections for the frozen process
     # and nothing answers (a service stuck in I/O looks the same).

@@ -479,6 +479,66 @@ def test_another_block_geometry_is_refused_with_a_reason(service: MetaService) -
     with pytest.raises(PoolRefused) as err:
         client(service, rank_bytes=RANK_BYTES * 2)
     assert err.value.code == "geometry" and str(RANK_BYTES) in err.value.message
+    assert f"kvtier.slot_rank_bytes to the largest model's bytes per part (here at least {RANK_BYTES * 2})" \
+        in err.value.message
+    with pytest.raises(PoolRefused) as err:  # other rank counts: a block is readable once all its parts are sealed
+        client(service, ranks=2, rank_bytes=RANK_BYTES // 2)
+    assert err.value.code == "geometry" and "give it a meta service of its own" in err.value.message
+
+
+def test_a_model_with_smaller_blocks_shares_the_pool_without_meeting_the_other(service: MetaService) -> None:
+    """Two models, as many ranks, the second's blocks half the size: it
+    takes whole slots (their parts' tails unused), and each finds only its
+    own blocks."""
+    big = client(service, name="big")
+    small = client(service, rank_bytes=RANK_BYTES // 2, name="small")
+    assert small.arena_path == big.arena_path and service.geometry == (1, RANK_BYTES)
+    mine, theirs = keys(61, 3), keys(62, 3)
+    save(big, theirs, step=1, fill=5)
+    save(small, mine, step=1, fill=6)
+    assert small.probe(mine).ready == 3 and small.probe(theirs).ready == 3  # keys are the namespace's
+    slots = small.pin(mine, step=2)
+    tier = DramTier.attach(small.arena_path)
+    try:
+        for slot, key in zip(slots, mine):
+            assert slot is not None and tier.verify(slot, key, 0) and int(tier.rank_view(slot, 0)[0]) == 6
+    finally:
+        tier.close()
+    small.complete_step(2)
+    small.flush()
+    acc = service.accounting()
+    assert acc["used"] == 6 and acc["used"] + acc["free"] + acc["held"] == acc["total"] and acc["pins"] == 0
+
+
+def test_a_configured_part_size_lets_a_larger_model_come_second(tmp_path: Path) -> None:
+    svc = start(tmp_path, slot_rank_bytes=RANK_BYTES * 2)
+    try:
+        small = client(svc, name="small")
+        assert svc.geometry == (1, RANK_BYTES * 2)  # sized as configured, not by the first instance
+        big = client(svc, rank_bytes=RANK_BYTES * 2, name="big")
+        save(big, keys(63, 2), step=1)
+        assert small.probe(keys(63, 2)).ready == 2
+        with pytest.raises(PoolRefused) as err:
+            client(svc, rank_bytes=RANK_BYTES * 4, name="larger")
+        assert err.value.code == "geometry" and str(RANK_BYTES * 4) in err.value.message
+    finally:
+        while _clients:
+            _clients.pop().shutdown()
+        svc.stop()
+
+
+def test_a_first_instance_larger_than_the_configured_parts_is_refused_by_the_key(tmp_path: Path) -> None:
+    svc = start(tmp_path, slot_rank_bytes=RANK_BYTES)
+    try:
+        with pytest.raises(PoolRefused) as err:
+            client(svc, rank_bytes=RANK_BYTES * 2)
+        assert err.value.code == "geometry" and "kvtier.slot_rank_bytes" in err.value.message
+        assert svc.store is None  # no pool made for it
+        assert client(svc).probe(keys(64, 1)).total == 0  # the next one that fits makes it
+    finally:
+        while _clients:
+            _clients.pop().shutdown()
+        svc.stop()
 
 
 def _raw(svc: MetaService) -> socket.socket:

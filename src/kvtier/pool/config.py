@@ -134,6 +134,16 @@ def _parse_dram_size(key: str, value: object, source: str = "") -> int:
     return size
 
 
+def _parse_part_size(key: str, value: object, source: str = "") -> int:
+    try:
+        size = parse_size(key, value, source)
+    except ConfigError as err:
+        raise ConfigError(key, value, f"{err.reason}; a size above 0 and at most 16GiB", source) from None
+    if not 0 < size <= 1 << 34:  # as the handshake takes an instance's bytes per rank
+        raise ConfigError(key, value, "a size above 0 and at most 16GiB", source)
+    return size
+
+
 def _parse_gib(key: str, value: object, source: str = "") -> int:
     return parse_int_range(0, 1024)(key, value, source) << 30  # type: ignore[operator]
 
@@ -389,6 +399,7 @@ KEYS: dict[str, PoolKey] = {k.name: k for k in [
     _used("kvtier.shm_dir", "shm_dir", _parse_abs_path, "local", "/dev/shm"),
     _used("kvtier.ssd_size", "ssd_size_bytes", parse_size, "local", "64GB"),
     _used("kvtier.io_threads", "io_threads", parse_int_range(1, 64), "local", "4"),
+    _used("kvtier.slot_rank_bytes", "slot_rank_bytes", _parse_part_size, "local", "256KiB"),
     _used("kvtier.warm_interval", "warm_interval_s", parse_seconds, "local", "5"),
     # The cluster tier (Mooncake Store under the node pool; docs/configuration.md)
     _used("kvtier.node_service_url", "node_service_url", parse_service_url, "local", "tcp://127.0.0.1:5010"),
@@ -456,6 +467,7 @@ class PoolConfig:
     token: str | None = field(default=None, repr=False)
     shm_dir: str = "/dev/shm"
     io_threads: int = 4
+    slot_rank_bytes: int | None = None  # a slot's part for each rank; None: the first instance's block
     warm_interval_s: float | None = None  # the arena: a byte of each page read this often (as kv_warm_interval_s)
     log_level: int = logging.INFO
     # The cluster tier: off unless cluster_enabled. The master runs on the

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
                   "listens (its local file's ock.mmc.meta_service_url names the master node)")
         return 2
     opts = ServiceOptions(url=cfg.listen_url if role == "local" else cfg.meta_url, store=cfg.store_config(),
-                          lease_ttl_ms=cfg.lease_ttl_ms, token=cfg.token, cluster=cluster)
+                          lease_ttl_ms=cfg.lease_ttl_ms, token=cfg.token, cluster=cluster,
+                          slot_rank_bytes=cfg.slot_rank_bytes)
     try:
         check_pool_fits(cfg, leftover_bytes(opts))
     except ConfigError as err:

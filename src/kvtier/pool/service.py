@@ -17,8 +17,12 @@ thread per connection, sessions and their leases, and the pool's creation.
   drops its unwritten saves (:meth:`TieredStore.end_session`), and the
   accounting is checked (:meth:`MetaService.accounting`).
 * **The pool** is made on the first ``Hello``, in that instance's slot
-  geometry (ranks, bytes per rank); an instance of another geometry is
-  refused with a line saying so (its connector stays off, its engine runs).
+  geometry (ranks, bytes per rank), or with parts of
+  ``ServiceOptions.slot_rank_bytes`` (``kvtier.slot_rank_bytes``) when set.
+  An instance with as many ranks whose blocks fit the parts shares it
+  (another model: its keys never meet the others'); one with other ranks,
+  or larger blocks, is refused with a line saying so (its connector stays
+  off, its engine runs).
   The arena is named after the service's address plus a random tag. A
   restarted service adopts the arena a killed one left (same file, so the
   mappings workers hold stay valid): every block sealed by all ranks whose
@@ -122,6 +126,9 @@ class ServiceOptions:
     token: str | None = None
     name: str = ""  # names the arena; by default from the URL
     cluster: ClusterConfig | None = None  # the cluster tier under the pool (kvtier.cluster.*), or none
+    # Bytes of a slot's part for each rank (kvtier.slot_rank_bytes): the
+    # largest of the models that share the pool; None: the first instance's.
+    slot_rank_bytes: int | None = None
 
 
 def _stems(opts: ServiceOptions) -> tuple[str, str]:
@@ -320,10 +327,15 @@ class MetaService:
                     raise _Refused("stopping", "the meta service is stopping")
                 store = self.store
                 if store is None:
+                    part = self.opts.slot_rank_bytes or rank_bytes
+                    if rank_bytes > part:
+                        raise _Refused("geometry", f"the instance writes {ranks} rank parts of {rank_bytes} bytes, "
+                                                   f"more than the {part} bytes per part kvtier.slot_rank_bytes "
+                                                   "gives: raise it, or give the instance a meta service of its own")
                     old, self._adoptable = self._adoptable, None
             if store is None:
                 try:
-                    store, page = self._make_pool(ranks, rank_bytes, old)
+                    store, page = self._make_pool(ranks, part, old, grow=self.opts.slot_rank_bytes is None)
                 except BaseException:
                     # A failure the next instance may not meet (an SSD path
                     # not mounted yet): the old arena stays for it to adopt.
@@ -335,26 +347,39 @@ class MetaService:
                     raise
                 with self._lock:
                     if not self._stop.is_set():
-                        self.store, self._stats_page, self.geometry = store, page, (ranks, rank_bytes)
+                        self.store, self._stats_page = store, page
+                        self.geometry = (ranks, store.tier.rank_bytes)
                         return store
                 close_store(store)  # stop() came while it was made
                 if page is not None:
                     page.close()
                 raise _Refused("stopping", "the meta service is stopping")
-            if self.geometry != (ranks, rank_bytes):
-                have_r, have_b = self.geometry  # type: ignore[misc]
-                raise _Refused("geometry", f"this pool holds blocks of {have_r} rank parts of {have_b} bytes; "
-                                           f"the instance writes {ranks} of {rank_bytes} (another model or "
-                                           "parallel layout): give it a meta service of its own")
+            have_r, have_b = self.geometry  # type: ignore[misc]
+            if ranks != have_r or rank_bytes > have_b:
+                # Parts of another count: a block is readable once every
+                # part is sealed. Larger blocks: they do not fit a part.
+                fix = ("set kvtier.slot_rank_bytes to the largest model's bytes per part (here at least "
+                       f"{rank_bytes}) and restart the meta service, or give the instance one of its own"
+                       if ranks == have_r else "give it a meta service of its own")
+                raise _Refused("geometry", f"this pool holds blocks of {have_r} rank parts of up to {have_b} bytes; "
+                                           f"the instance writes {ranks} of {rank_bytes} (another model or parallel "
+                                           f"layout): {fix}")
             return store
 
-    def _make_pool(self, ranks: int, rank_bytes: int, old: DramTier | None) -> tuple[TieredStore, StatsPage | None]:
-        """The pool for the first instance's geometry, adopting ``old`` (an
-        arena a dead service left) when it has the same one; and its
-        counters page (None if it could not be made)."""
+    def _make_pool(self, ranks: int, rank_bytes: int, old: DramTier | None,
+                   grow: bool = False) -> tuple[TieredStore, StatsPage | None]:
+        """The pool of ``ranks`` parts of ``rank_bytes``, adopting ``old`` (an
+        arena a dead service left) when it has the same geometry, or, with
+        ``grow`` (no part size configured), as many parts of more bytes:
+        the blocks of a larger model that came first; and its counters page
+        (None if it could not be made)."""
         arena = self._arena_stem + secrets.token_hex(4)
+        adopt = old is not None and old.ranks == ranks and (
+            old.rank_bytes == rank_bytes or (grow and old.rank_bytes > rank_bytes))
+        if adopt:
+            assert old is not None
+            rank_bytes = old.rank_bytes
         fingerprint = xxhash.xxh3_128_digest(f"kvtier-pool-v1;ranks={ranks};rank_bytes={rank_bytes}".encode())
-        adopt = old is not None and (old.ranks, old.rank_bytes) == (ranks, rank_bytes)
         if old is not None and not adopt:
             log.info("kvtier meta: the old arena holds another geometry; starting cold")
             old.close()  # owner: removes it
