@@ -14,6 +14,7 @@ import pytest
 from kvtier.tools.serve import (
     STATE_FILE,
     Serve,
+    cuda_build,
     devices_per_instance,
     find_configs,
     process_start_time,
@@ -438,8 +439,11 @@ def test_a_meta_service_that_fails_to_start_leaves_no_folder_behind(tmp_path: Pa
 @pytest.mark.parametrize(("args", "n"), [
     ([], 1), (["-tp", "2"], 2), (["--tensor-parallel-size=4", "--max-model-len", "64"], 4),
     (["-tp", "2", "--pipeline-parallel-size", "2"], 4), (["-dp", "2", "-tp", "2"], 4),
+    (["--tensor_parallel_size", "2", "-pcp", "2"], 4),  # vLLM takes "_" for "-" too
+    (["-dp", "4", "--data-parallel-size-local=2", "-tp", "2"], 4),  # the replicas on this node
+    (["-tp", "2", "--config", "vllm.yaml"], None),  # the file may set the sizes: not split
 ])
-def test_the_devices_an_instance_takes_follow_vllms_parallel_sizes(args: list[str], n: int) -> None:
+def test_the_devices_an_instance_takes_follow_vllms_parallel_sizes(args: list[str], n: int | None) -> None:
     assert devices_per_instance(args) == n
 
 
@@ -454,11 +458,14 @@ def test_instances_get_disjoint_devices_and_too_few_devices_are_refused(tmp_path
     gpus.mkdir()
     for bus in ("0000:17:00.0", "0000:31:00.0", "0000:b1:00.0", "0000:ca:00.0"):
         (gpus / bus).mkdir()
-    assert visible_devices({}, str(gpus)) == ["0", "1", "2", "3"]
-    assert visible_devices({"CUDA_VISIBLE_DEVICES": "3, 5,6"}, str(gpus)) == ["3", "5", "6"]
-    assert visible_devices({}, str(tmp_path / "no-driver")) is None  # vLLM's CPU build: nothing to split
-    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}, str(gpus)) is None  # no device: nothing to split
-    assert visible_devices({"CUDA_VISIBLE_DEVICES": "-1"}, str(gpus)) is None
+    assert visible_devices({}, str(gpus), cuda=True) == ["0", "1", "2", "3"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "3, 5,6"}, str(gpus), cuda=True) == ["3", "5", "6"]
+    assert visible_devices({}, str(tmp_path / "no-driver"), cuda=True) is None  # no GPU: nothing to split
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}, str(gpus), cuda=True) is None  # no device
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "-1"}, str(gpus), cuda=True) is None
+    # vLLM's CPU build on a host with GPUs: its instances take no device.
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "0,1"}, str(gpus), cuda=False) is None
+    assert split_devices(2, None, ["0", "1"]) is None  # sizes unknown (--config): not split
     assert split_devices(2, 2, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
     assert split_devices(3, 1, ["3", "5", "6"]) == ["3", "5", "6"]
     assert split_devices(4, 8, None) is None
@@ -467,6 +474,9 @@ def test_instances_get_disjoint_devices_and_too_few_devices_are_refused(tmp_path
 
 
 def test_too_few_gpus_for_the_instances_are_named_before_anything_starts(tmp_path: Path, monkeypatch) -> None:
+    import kvtier.tools.serve as serve_mod
+
+    monkeypatch.setattr(serve_mod, "cuda_build", lambda: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     s = Serve("m", 2, tmp_path / "logs", vllm_args=["-tp", "2"], out=lambda *_: None)
     refused(s, "need 4 devices; 2 visible")
@@ -493,3 +503,9 @@ def test_each_instance_is_started_on_its_own_devices(tmp_path: Path, monkeypatch
     s._start_instance(2, base, None)
     assert [e.get("CUDA_VISIBLE_DEVICES") for e in started] == ["0,1", "2,3", None]
     assert base == {"PATH": "/usr/bin"}  # the shared environment is left as it was
+
+
+def test_this_environment_s_torch_build_is_read_without_importing_it() -> None:
+    import importlib.metadata
+
+    assert cuda_build() == ("+cpu" not in importlib.metadata.version("torch"))

@@ -58,17 +58,25 @@ def process_start_time(pid: int) -> int | None:
 OWN_HEADER = "# written by kvtier serve\n"
 
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one folder per GPU the driver sees
-# vLLM's flags whose values multiply into the devices one instance uses.
+# vLLM's flags whose values multiply into the devices one instance uses
+# (long ones as vLLM also takes them, with "_" for "-").
 _PARALLEL_FLAGS = {"-tp": "tp", "--tensor-parallel-size": "tp", "-pp": "pp", "--pipeline-parallel-size": "pp",
-                   "-dp": "dp", "--data-parallel-size": "dp"}
+                   "-dp": "dp", "--data-parallel-size": "dp", "-dpl": "dpl", "--data-parallel-size-local": "dpl",
+                   "-pcp": "pcp", "--prefill-context-parallel-size": "pcp"}
 
 
-def devices_per_instance(vllm_args: list[str]) -> int:
-    """The devices one vLLM instance takes: its tensor x pipeline x data
-    parallel sizes, as given among ``vllm_args`` (1 each when absent)."""
-    sizes = {"tp": 1, "pp": 1, "dp": 1}
+def devices_per_instance(vllm_args: list[str]) -> int | None:
+    """The devices one vLLM instance takes on this node: its tensor x
+    pipeline x prefill-context x data parallel sizes (the local data
+    parallel size where given), as given among ``vllm_args`` (1 each when
+    absent); None with ``--config`` (a file may set them: not split)."""
+    sizes = {"tp": 1, "pp": 1, "dp": 1, "dpl": 0, "pcp": 1}
     for i, arg in enumerate(vllm_args):
         flag, eq, value = arg.partition("=")
+        if flag.startswith("--"):
+            flag = "--" + flag[2:].replace("_", "-")
+        if flag == "--config":
+            return None
         if flag not in _PARALLEL_FLAGS:
             continue
         if not eq:
@@ -80,13 +88,30 @@ def devices_per_instance(vllm_args: list[str]) -> int:
         if n < 1:
             raise ServerError(f"{flag} {value!r}: at least 1")
         sizes[_PARALLEL_FLAGS[flag]] = n
-    return sizes["tp"] * sizes["pp"] * sizes["dp"]
+    return sizes["tp"] * sizes["pp"] * sizes["pcp"] * (sizes["dpl"] or sizes["dp"])
 
 
-def visible_devices(environ: dict[str, str], gpus_dir: str = NVIDIA_GPUS) -> list[str] | None:
+def cuda_build() -> bool:
+    """Whether this environment's torch is a CUDA build (vLLM's CPU build
+    pins a ``+cpu`` torch): read from its installed version, without
+    importing it."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return False
+    return "+cpu" not in version
+
+
+def visible_devices(environ: dict[str, str], gpus_dir: str = NVIDIA_GPUS, cuda: bool | None = None
+                    ) -> list[str] | None:
     """The CUDA devices the instances may take: ``CUDA_VISIBLE_DEVICES``'s
     list where set, else one index per GPU the NVIDIA driver lists; None
-    where there is none (vLLM's CPU build, or the variable set empty)."""
+    where there is none: vLLM's CPU build (``cuda``: whether torch is a
+    CUDA build, :func:`cuda_build` by default), or the variable set empty."""
+    if not (cuda_build() if cuda is None else cuda):
+        return None
     given = environ.get("CUDA_VISIBLE_DEVICES")
     if given is not None:
         # Empty (or "-1", CUDA's "none"): no device, as on the CPU build.
@@ -98,11 +123,12 @@ def visible_devices(environ: dict[str, str], gpus_dir: str = NVIDIA_GPUS) -> lis
     return [str(i) for i in range(count)] or None
 
 
-def split_devices(instances: int, per_instance: int, devices: list[str] | None) -> list[str] | None:
+def split_devices(instances: int, per_instance: int | None, devices: list[str] | None) -> list[str] | None:
     """``CUDA_VISIBLE_DEVICES`` for each instance: consecutive, disjoint
     sets of ``per_instance`` devices, so that instances do not start on the
-    same GPU. None where there are no devices to split (CPU)."""
-    if devices is None:
+    same GPU. None where there are no devices to split (CPU), or their
+    number per instance is not known (``--config``)."""
+    if devices is None or per_instance is None:
         return None
     need = instances * per_instance
     if need > len(devices):
@@ -395,7 +421,11 @@ class Serve:
         self._check_ports()
         # Found before anything starts: N instances on one GPU would each
         # take vLLM's share of its memory, and all but the first fail.
-        devices = split_devices(self.n, devices_per_instance(self.vllm_args), visible_devices(dict(os.environ)))
+        per_instance = devices_per_instance(self.vllm_args)
+        devices = split_devices(self.n, per_instance, visible_devices(dict(os.environ)))
+        if per_instance is None and self.n > 1 and visible_devices(dict(os.environ)):
+            self.out("vLLM's --config may set its parallel sizes: the instances' devices are not split; "
+                     "set CUDA_VISIBLE_DEVICES yourself, or give the sizes as flags")
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
         if self._stop.is_set():  # kvtier stop (or Ctrl-C) during the checks: nothing is started
             raise ServerError("interrupted during start-up")
