@@ -486,13 +486,18 @@ def test_another_block_geometry_is_refused_with_a_reason(service: MetaService) -
     assert err.value.code == "geometry" and "give it a meta service of its own" in err.value.message
 
 
-def test_a_model_with_smaller_blocks_shares_the_pool_without_meeting_the_other(service: MetaService) -> None:
+def test_a_model_with_smaller_blocks_shares_the_pool_without_meeting_the_other(service: MetaService,
+                                                                              caplog) -> None:
     """Two models, as many ranks, the second's blocks half the size: it
     takes whole slots (their parts' tails unused), and each finds only its
-    own blocks."""
+    own blocks. Without kvtier.slot_rank_bytes, one warning says to set it."""
     big = client(service, name="big")
-    small = client(service, rank_bytes=RANK_BYTES // 2, name="small")
+    with caplog.at_level("WARNING", logger="kvtier"):
+        small = client(service, rank_bytes=RANK_BYTES // 2, name="small")
+        client(service, rank_bytes=RANK_BYTES // 2, name="small-2")
     assert small.arena_path == big.arena_path and service.geometry == (1, RANK_BYTES)
+    said = [r.getMessage() for r in caplog.records if "kvtier.slot_rank_bytes" in r.getMessage()]
+    assert len(said) == 1 and f"set kvtier.slot_rank_bytes = {RANK_BYTES}" in said[0]
     mine, theirs = keys(61, 3), keys(62, 3)
     save(big, theirs, step=1, fill=5)
     save(small, mine, step=1, fill=6)

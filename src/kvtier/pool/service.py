@@ -179,6 +179,7 @@ class MetaService:
         self.store: TieredStore | None = None
         self._adoptable: DramTier | None = None  # a dead service's arena, owned now, not yet in use
         self.geometry: tuple[int, int] | None = None  # (ranks, rank_bytes)
+        self._smaller_seen: set[int] = set()  # bytes per rank of smaller blocks warned about
         self._lock = threading.Lock()
         self._making = threading.Lock()  # held while the pool is made (_pool_for)
         self._sessions: dict[int, Session] = {}
@@ -364,6 +365,13 @@ class MetaService:
                 raise _Refused("geometry", f"this pool holds blocks of {have_r} rank parts of up to {have_b} bytes; "
                                            f"the instance writes {ranks} of {rank_bytes} (another model or parallel "
                                            f"layout): {fix}")
+            if rank_bytes < have_b and self.opts.slot_rank_bytes is None and rank_bytes not in self._smaller_seen:
+                self._smaller_seen.add(rank_bytes)
+                log.warning("kvtier meta: an instance with blocks of %d bytes per rank shares this pool of %d-byte "
+                            "parts, which the first instance sized: set kvtier.slot_rank_bytes = %d, or after a "
+                            "restart the first instance to connect sizes the pool again (a smaller one first refuses "
+                            "the larger model, and the SSD tier, whose layout follows the parts, starts empty)",
+                            rank_bytes, have_b, have_b)
             return store
 
     def _make_pool(self, ranks: int, rank_bytes: int, old: DramTier | None,
