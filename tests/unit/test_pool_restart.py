@@ -238,6 +238,34 @@ def test_a_restart_whose_first_instance_has_smaller_blocks_adopts_the_larger_are
         stop_all(meta, big, small)
 
 
+def test_after_a_clean_stop_the_ssd_tier_keeps_the_larger_parts_for_a_smaller_first_instance(
+        tmp_path: Path) -> None:
+    """A clean stop removes the arena, so there is nothing to adopt; the
+    SSD tier's superblock still says what its blocks are. A smaller model
+    connecting first gets a pool of the larger parts: the SSD tier is
+    recovered, not started empty, and the larger model still fits."""
+    conf = configs(tmp_path)
+    conf.write_text(conf.read_text() + "ock.mmc.local_service.storage.enabled = true\n"
+                    f"ubsio.disk.path = {tmp_path / 'ssd.img'}\nkvtier.ssd_size = 64MB\n")
+    meta = MetaProcess(conf, conf, log_path=tmp_path / "meta.log").start()
+    big = small = None
+    try:
+        big = PoolPlacement(meta.address, ranks=1, rank_bytes=2 * RANK_BYTES + 100, name="big")
+        big.shutdown()
+        meta.stop()
+        assert not any((tmp_path / "shm").iterdir())  # no arena left to adopt
+        meta.start()
+        small = PoolPlacement(meta.address, ranks=1, rank_bytes=RANK_BYTES, name="small")
+        log = meta.log_text()
+        assert f"the SSD tier holds blocks in parts of {2 * RANK_BYTES + 100} bytes per rank" in log
+        assert log.count("starts empty") == 1  # the first start only
+        big = PoolPlacement(meta.address, ranks=1, rank_bytes=2 * RANK_BYTES + 100, name="big")
+        save(big, keys(9, 2))
+        assert small.probe(keys(9, 2)).ready == 2
+    finally:
+        stop_all(meta, big, small)
+
+
 def test_a_stopped_service_holds_up_the_engine_once_then_lookups_miss_at_once(tmp_path: Path) -> None:
     # SIGSTOP: the kernel still accepts connections for the frozen process
     # and nothing answers (a service stuck in I/O looks the same).

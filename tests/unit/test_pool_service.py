@@ -1392,3 +1392,20 @@ def test_a_client_that_sends_a_body_the_service_refuses_reads_the_refusal(http_s
                 data += chunk
         assert data.startswith(f"HTTP/1.0 {code} ".encode()), data[:80]
     assert httpx.get(http_server.url + "/health", timeout=5).status_code == 200
+
+
+def test_the_part_size_read_from_an_ssd_superblock_is_the_one_its_fingerprint_names(tmp_path: Path) -> None:
+    from kvtier.pool.service import pool_fingerprint, ssd_part_bytes
+    from kvtier.tier.ssd import SsdTier
+
+    path = str(tmp_path / "ssd.img")
+    part = 3 * 4096 + 100  # rounded up to 4 pages in the slot
+    tier, _ = SsdTier.open([path], 64 << 20, 2 * 4 * 4096, False, fingerprint=pool_fingerprint(2, part))
+    tier.close()
+    assert ssd_part_bytes(path, 2, 4096) == part
+    assert ssd_part_bytes(path, 2, part + 1) is None  # the instance's blocks would not fit
+    assert ssd_part_bytes(path, 3, 4096) is None  # other ranks: the slot does not split so
+    assert ssd_part_bytes(path, 1, 4096) is None  # one part of the whole slot: another fingerprint
+    assert ssd_part_bytes(str(tmp_path / "none.img"), 2, 4096) is None
+    (tmp_path / "notes.txt").write_text("someone's notes")
+    assert ssd_part_bytes(str(tmp_path / "notes.txt"), 2, 4096) is None

@@ -59,7 +59,8 @@ from kvtier.placement import close_store, open_store
 from kvtier.pool import wire
 from kvtier.pool.statspage import StatsPage
 from kvtier.store import TieredStore
-from kvtier.tier.dram import DramTier, remove_stale_files
+from kvtier.tier.dram import PART_ALIGN, DramTier, remove_stale_files
+from kvtier.tier.ssd import recorded_layout
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,30 @@ def leftover_bytes(opts: ServiceOptions) -> int:
         finally:
             os.close(fd)
     return total
+
+
+def pool_fingerprint(ranks: int, rank_bytes: int) -> bytes:
+    """What a pool's blocks are, for its SSD tier's superblock: their geometry."""
+    return xxhash.xxh3_128_digest(f"kvtier-pool-v1;ranks={ranks};rank_bytes={rank_bytes}".encode())
+
+
+def ssd_part_bytes(path: str, ranks: int, at_least: int) -> int | None:
+    """The bytes per rank of the pool whose blocks the SSD tier at ``path``
+    holds, when they are ``ranks`` parts of at least ``at_least`` bytes;
+    else None. The superblock records the slot's size and the fingerprint
+    of the geometry: a part is the slot's share rounded up to a page, so
+    the part sizes that round to it are tried against the fingerprint."""
+    found = recorded_layout(path)
+    if found is None:
+        return None
+    slot_bytes, fingerprint = found
+    if slot_bytes % ranks or (slot_bytes // ranks) % PART_ALIGN:
+        return None
+    stride = slot_bytes // ranks
+    for part in range(stride, max(at_least, stride - PART_ALIGN + 1) - 1, -1):
+        if pool_fingerprint(ranks, part) == fingerprint:
+            return part
+    return None
 
 
 class MetaService:
@@ -387,7 +412,16 @@ class MetaService:
         if adopt:
             assert old is not None
             rank_bytes = old.rank_bytes
-        fingerprint = xxhash.xxh3_128_digest(f"kvtier-pool-v1;ranks={ranks};rank_bytes={rank_bytes}".encode())
+        elif grow and self.opts.store.ssd_paths:
+            kept = ssd_part_bytes(self.opts.store.ssd_paths[0], ranks, rank_bytes)
+            if kept is not None and kept > rank_bytes:
+                # No arena left (a clean stop, a reboot), but the SSD tier
+                # holds blocks in larger parts: a larger model's. Sized as
+                # they are, the tier is recovered and that model still fits.
+                log.info("kvtier meta: the SSD tier holds blocks in parts of %d bytes per rank; the pool keeps "
+                         "them (this instance writes %d)", kept, rank_bytes)
+                rank_bytes = kept
+        fingerprint = pool_fingerprint(ranks, rank_bytes)
         if old is not None and not adopt:
             log.info("kvtier meta: the old arena holds another geometry; starting cold")
             old.close()  # owner: removes it

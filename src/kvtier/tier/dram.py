@@ -63,6 +63,7 @@ from kvtier.hostmem import PageWarmer, hugetlbfs_page_size
 _MAGIC = b"KVTDRAM2"
 _SUPER = struct.Struct("<8sIIQQQQ16s")  # magic, version, ranks, num_slots, slot_bytes, slot_stride, data_off, ns
 _PAGE = 4096
+PART_ALIGN = _PAGE  # a rank's part of a slot is its bytes rounded up to this
 MAX_RANKS = 8
 # One ready byte per rank, not a shared bit mask: ranks seal the same slot
 # from different processes at the same time, and a read-modify-write of a

@@ -332,6 +332,29 @@ def _read_high(head: bytes) -> int:
     return high if magic == _HIGH_MAGIC else 0
 
 
+def recorded_layout(path: str) -> tuple[int, bytes] | None:
+    """The slot size and layout fingerprint that ``path``'s kvtier
+    superblock (this format) records, or None: no such path, not readable,
+    not kvtier's, another format. Reads one page; opens read-only, takes
+    no lock and writes nothing (a look before the tier is opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, _SUPER.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(head) < _SUPER.size:
+        return None
+    magic, version, _, slot_bytes, _, _, _, fingerprint = _SUPER.unpack_from(head)
+    if magic != SUPER_MAGIC or version != _FORMAT:
+        return None
+    return slot_bytes, fingerprint
+
+
 def slots_for(size_bytes: int, slot_bytes: int) -> int:
     """Most slots of ``slot_bytes`` that a path of ``size_bytes`` holds with its superblock and header table."""
     n = max(0, (size_bytes - PAGE) // (slot_bytes + HEADER_BYTES))  # an upper bound: the table is whole pages
