@@ -394,8 +394,8 @@ class MetaService:
                 self._smaller_seen.add(rank_bytes)
                 log.warning("kvtier meta: an instance with blocks of %d bytes per rank shares this pool of %d-byte "
                             "parts, which the first instance sized: set kvtier.slot_rank_bytes = %d, or after a "
-                            "restart the first instance to connect sizes the pool again (a smaller one first refuses "
-                            "the larger model, and the SSD tier, whose layout follows the parts, starts empty)",
+                            "restart that leaves neither the arena nor an SSD tier the first instance to connect "
+                            "sizes the pool again (a smaller one first refuses the larger model)",
                             rank_bytes, have_b, have_b)
             return store
 
