@@ -1403,9 +1403,43 @@ def test_the_part_size_read_from_an_ssd_superblock_is_the_one_its_fingerprint_na
     tier, _ = SsdTier.open([path], 64 << 20, 2 * 4 * 4096, False, fingerprint=pool_fingerprint(2, part))
     tier.close()
     assert ssd_part_bytes(path, 2, 4096) == part
+    assert ssd_part_bytes(path, 2, part) == part
     assert ssd_part_bytes(path, 2, part + 1) is None  # the instance's blocks would not fit
     assert ssd_part_bytes(path, 3, 4096) is None  # other ranks: the slot does not split so
     assert ssd_part_bytes(path, 1, 4096) is None  # one part of the whole slot: another fingerprint
+    for edge in (3 * 4096 + 1, 4 * 4096):  # the ends of the sizes that round to 4 pages
+        edge_path = str(tmp_path / f"edge-{edge}.img")
+        SsdTier.open([edge_path], 64 << 20, 2 * 4 * 4096, False, fingerprint=pool_fingerprint(2, edge))[0].close()
+        assert ssd_part_bytes(edge_path, 2, 4096) == edge
     assert ssd_part_bytes(str(tmp_path / "none.img"), 2, 4096) is None
-    (tmp_path / "notes.txt").write_text("someone's notes")
-    assert ssd_part_bytes(str(tmp_path / "notes.txt"), 2, 4096) is None
+    notes = tmp_path / "notes.txt"
+    notes.write_text("someone's notes")
+    assert ssd_part_bytes(str(notes), 2, 4096) is None and notes.read_text() == "someone's notes"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert ssd_part_bytes(str(fifo), 2, 4096) is None  # not opened: a FIFO's open would block
+
+
+@pytest.mark.parametrize("force_new_disk", [False, True])
+def test_the_ssd_tier_sizes_the_parts_unless_it_is_formatted_afresh(tmp_path: Path, force_new_disk: bool) -> None:
+    """An SSD tier written by a pool of larger parts: a smaller first
+    instance gets parts of that size, so the tier is recovered; with
+    force_new_disk the tier starts empty anyway, and the parts are the
+    instance's (a retired larger model does not size the pool forever)."""
+    from kvtier.pool.service import pool_fingerprint
+    from kvtier.tier.ssd import SsdTier
+
+    path = str(tmp_path / "ssd.img")
+    SsdTier.open([path], 64 << 20, 2 * RANK_BYTES, False, fingerprint=pool_fingerprint(1, 2 * RANK_BYTES))[0].close()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    store = KvtierConfig(dram_size_bytes=64 * (RANK_BYTES + 4096), shm_dir=str(shm), ssd_paths=(path,),
+                         ssd_size_bytes=64 << 20, force_new_disk=force_new_disk)
+    svc = start(tmp_path, store=store)
+    try:
+        client(svc)
+        assert svc.geometry == (1, RANK_BYTES if force_new_disk else 2 * RANK_BYTES)
+    finally:
+        while _clients:
+            _clients.pop().shutdown()
+        svc.stop()

@@ -412,7 +412,7 @@ class MetaService:
         if adopt:
             assert old is not None
             rank_bytes = old.rank_bytes
-        elif grow and self.opts.store.ssd_paths:
+        elif grow and self.opts.store.ssd_paths and not self.opts.store.force_new_disk:
             kept = ssd_part_bytes(self.opts.store.ssd_paths[0], ranks, rank_bytes)
             if kept is not None and kept > rank_bytes:
                 # No arena left (a clean stop, a reboot), but the SSD tier

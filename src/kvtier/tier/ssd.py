@@ -332,16 +332,26 @@ def _read_high(head: bytes) -> int:
     return high if magic == _HIGH_MAGIC else 0
 
 
+def _is_file_or_disk(mode: int) -> bool:
+    return stat.S_ISREG(mode) or stat.S_ISBLK(mode)
+
+
 def recorded_layout(path: str) -> tuple[int, bytes] | None:
     """The slot size and layout fingerprint that ``path``'s kvtier
     superblock (this format) records, or None: no such path, not readable,
-    not kvtier's, another format. Reads one page; opens read-only, takes
-    no lock and writes nothing (a look before the tier is opened)."""
+    not kvtier's, another format. Only a regular file or a block device
+    is opened (a FIFO would block, a character device may act on open),
+    read-only and non-blocking; no lock is taken and nothing written (a
+    look before the tier is opened)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if not _is_file_or_disk(os.stat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError:
         return None
     try:
+        if not _is_file_or_disk(os.fstat(fd).st_mode):  # replaced between the two looks
+            return None
         head = os.pread(fd, _SUPER.size, 0)
     except OSError:
         return None
