@@ -272,6 +272,10 @@ def _size(args: argparse.Namespace) -> int:
     print(f"per 1k tokens: {kv.gb_per_1k_tokens:.4f} GB ({kv.gib_per_1k_tokens:.4f} GiB) per device, "
           f"{kv.gb_per_1k_tokens * kv.devices:.4f} GB ({kv.gib_per_1k_tokens * kv.devices:.4f} GiB) "
           f"for the instance")
+    if args.model_dir:
+        part = sizing.block_rank_bytes(kv, args.block_size)
+        print(f"a block of {args.block_size} tokens: {part:,} bytes per rank (the smallest "
+              f"kvtier.slot_rank_bytes = {part} for this model; set the largest over the models sharing a pool)")
     if args.concurrency and args.mean_tokens:
         need = sizing.workload_bytes_per_device(kv, args.concurrency, args.mean_tokens)
         print(f"workload: {args.concurrency} concurrent x {args.mean_tokens:g} tokens x {sizing.HEADROOM} headroom "
@@ -491,6 +495,8 @@ def parser() -> argparse.ArgumentParser:
     sz.add_argument("--log", default=None, help="a vLLM log with 'Available KV cache memory' lines")
     sz.add_argument("--dtype", default=None, help="KV dtype (default: the model's)")
     sz.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel ranks (with --model-dir)")
+    sz.add_argument("--block-size", type=_at_least(1), default=16,
+                    help="vLLM's --block-size, tokens a block (with --model-dir: the bytes a block takes per rank)")
     sz.add_argument("--devices", type=_at_least(1), default=None, help="devices (default: from TP or the log)")
     sz.add_argument("--concurrency", type=_at_least(0), default=0)
     sz.add_argument("--mean-tokens", type=float, default=0, help="mean request length in tokens")

@@ -181,3 +181,35 @@ def test_cli_size_config_says_when_kvtier_meta_would_refuse_the_pool(capsys, tmp
     assert "on this host, kvtier meta would refuse it: ock.mmc.local_service.dram.size = 20 GiB x 256" in out
     assert cli_main(["size", "--config", str(small)]) == 0
     assert "would refuse" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("cfg", "dtype", "tp", "block"), [
+    ({}, None, 1, 16), ({}, "float32", 4, 64), ({"num_key_value_heads": 2}, None, 8, 128),
+    ({"head_dim": 65, "num_key_value_heads": 1}, "float8_e4m3fn", 1, 16),  # 2,080-byte pages, padded to 2,112
+])
+def test_a_blocks_bytes_per_rank_are_what_the_connector_lays_out(tmp_path: Path, cfg: dict, dtype: str | None,
+                                                                  tp: int, block: int) -> None:
+    """What `kvtier size` prints for kvtier.slot_rank_bytes is the
+    connector's own figure for the same model, from vLLM's KV spec."""
+    import math
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvtier.connector.connector import rank_bytes_for
+
+    kv = sizing.from_model_dir(model_dir(tmp_path, **cfg), dtype, tp)
+    heads = max(1, math.ceil(cfg.get("num_key_value_heads", 8) / tp))
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=cfg.get("head_dim", 128),
+                             dtype=getattr(torch, dtype or "bfloat16"))
+    assert sizing.block_rank_bytes(kv, block) == rank_bytes_for(spec, 32)
+
+
+def test_the_size_command_prints_a_blocks_bytes_per_rank(tmp_path: Path, capsys) -> None:
+    assert cli_main(["size", "--model-dir", model_dir(tmp_path), "--block-size", "64"]) == 0
+    # 32 layers x 64 tokens x 8 KV heads x 128 x 2 (K and V) x 2 bytes
+    assert "a block of 64 tokens: 8,388,608 bytes per rank" in capsys.readouterr().out
+    log = tmp_path / "vllm.log"
+    log.write_text("Available KV cache memory: 10.00 GiB\nGPU KV cache size: 81,920 tokens\n")
+    with pytest.raises(ConfigError, match="needs --model-dir"):
+        sizing.block_rank_bytes(sizing.from_log(log.read_text()), 16)

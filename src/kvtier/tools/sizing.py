@@ -40,6 +40,7 @@ class KvShape:
     bytes_per_token: float
     source: str
     devices: int = 1
+    layers: int = 0  # from a model's config (0: not known, from a log)
 
     @property
     def instance_bytes_per_token(self) -> float:
@@ -100,11 +101,24 @@ def from_model_dir(model_dir: str, dtype: str | None = None, tp: int = 1) -> KvS
                                                    f"number ({err})") from None
         b = layers * (latent + rope) * _DTYPE_BYTES[name]
         return KvShape(b, f"{path}: {layers} layers x ({latent} latent + {rope} rotary) x {_DTYPE_BYTES[name]} "
-                          f"bytes ({name}, MLA: the same on each of TP {tp})", tp)
+                          f"bytes ({name}, MLA: the same on each of TP {tp})", tp, layers)
     per_device_heads = max(1, math.ceil(kv_heads / tp))  # fewer KV heads than ranks: replicated
     b = 2 * layers * per_device_heads * head_size * _DTYPE_BYTES[name]
     return KvShape(b, f"{path}: 2 x {layers} layers x {per_device_heads} KV heads per device x {head_size} x "
-                      f"{_DTYPE_BYTES[name]} bytes ({name}, TP {tp})", tp)
+                      f"{_DTYPE_BYTES[name]} bytes ({name}, TP {tp})", tp, layers)
+
+
+LAYER_ALIGN = 64  # each layer's page of a block is padded to this in a slot (layout.py)
+
+
+def block_rank_bytes(kv: KvShape, block_tokens: int) -> int:
+    """Bytes one rank writes for a block of ``block_tokens`` tokens (one
+    pipeline stage): each layer's page padded to 64 bytes, as the
+    connector lays a block out; what ``kvtier.slot_rank_bytes`` must hold."""
+    if kv.layers < 1:
+        raise ConfigError("--block-size", block_tokens, "needs --model-dir (a log does not give the layer count)")
+    page = block_tokens * round(kv.bytes_per_token) // kv.layers
+    return -(-page // LAYER_ALIGN) * LAYER_ALIGN * kv.layers
 
 
 # "Available KV cache memory: 13.88 GiB" (per device), or in older builds
