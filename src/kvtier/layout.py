@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-_LAYER_ALIGN = 64
+LAYER_ALIGN = 64  # each layer's page of a block starts at a multiple of this in a slot
 
 
 class LayoutKind(enum.Enum):
@@ -112,7 +112,7 @@ class KvLayout:
 
     @property
     def layer_stride(self) -> int:
-        return -(-self.layer_block_bytes // _LAYER_ALIGN) * _LAYER_ALIGN
+        return -(-self.layer_block_bytes // LAYER_ALIGN) * LAYER_ALIGN
 
     @property
     def block_bytes(self) -> int:

@@ -203,6 +203,20 @@ def save_blocks(store: TieredStore, keys: list[bytes], step: int, seed: int,
     return slots
 
 
+def lending_nothing(make_tier, cluster_cfg: ClusterConfig) -> TieredStore:
+    """A node of 32 slots that lends the cluster no memory (a pure client:
+    every block it fetches lives in a peer's segment), once the cluster is up."""
+    tier = make_tier(4096 * 4 + 32 * (RANK_BYTES + 128), RANK_BYTES)
+    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(replace(cluster_cfg, segment_bytes=0), tier),
+                        cluster_timeout_s=5.0)
+    try:
+        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
 def fetch(store: TieredStore, keys: list[bytes]) -> int:
     """Probe and promote as the scheduler does; the number of keys READY afterwards."""
     p = store.probe(keys)
@@ -616,11 +630,8 @@ def test_peer_node_killed_is_a_miss_counted_and_the_store_lives(make_tier, peer:
     and the store keeps saving and finding blocks."""
     # This node lends no memory (a pure client): every block the peer
     # publishes lives in the peer's segment, so every fetch meets the dead node.
-    tier = make_tier(4096 * 4 + 32 * (RANK_BYTES + 128), RANK_BYTES)
-    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(replace(cluster_cfg, segment_bytes=0), tier),
-                        cluster_timeout_s=5.0)
+    store = lending_nothing(make_tier, cluster_cfg)
     try:
-        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
         keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=11, n=4)["keys"]]
         p = store.probe(keys)
         assert (p.ready, p.total, p.remote) == (0, 4, 4)
@@ -658,11 +669,9 @@ def test_a_peer_frozen_mid_fetch_is_a_miss_and_its_slots_come_back(make_tier, pe
     meanwhile. Once the peer runs again, every fetch ends: a block is
     READY only if it arrived whole and verified, the others' slots are
     free, and nothing is left moving."""
-    tier = make_tier(4096 * 4 + 32 * (RANK_BYTES + 128), RANK_BYTES)
-    store = TieredStore(tier, 99, 90, cluster=MooncakeTier(replace(cluster_cfg, segment_bytes=0), tier),
-                        cluster_timeout_s=5.0)
+    store = lending_nothing(make_tier, cluster_cfg)
+    tier = store.tier
     try:
-        wait_for(lambda: store.cluster.up, what="the cluster to be reachable")
         keys = [bytes.fromhex(k) for k in peer.do(op="save", seed=13, n=4)["keys"]]
         p = store.probe(keys)
         assert (p.ready, p.total, p.remote) == (0, 4, 4)

@@ -44,6 +44,7 @@ from kvtier.connector.worker import WorkerSide
 from kvtier.errors import ConfigError
 from kvtier.hostmem import warm_interval_s
 from kvtier.keys import KeyNamespace, directory_digest, file_digest
+from kvtier.layout import LAYER_ALIGN
 from kvtier.placement import EmbeddedPlacement, open_store
 
 if TYPE_CHECKING:
@@ -65,7 +66,6 @@ def _log_through_vllm() -> None:
 
 _log_through_vllm()
 
-_LAYER_ALIGN = 64
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # vLLM appends "_dp<rank>" to engine_id in every engine-core process of a
 # data-parallel launch (run_engine_core), and a non-MoE rank then resets its
@@ -197,7 +197,7 @@ def layers_per_rank(vllm_config: VllmConfig, num_layers: int, pp_rank: int = 0) 
 
 def rank_bytes_for(spec: Any, num_layers: int) -> int:
     """Bytes one rank writes per block: each layer's page padded to 64 bytes (layout.py)."""
-    return -(-spec.page_size_bytes // _LAYER_ALIGN) * _LAYER_ALIGN * num_layers
+    return -(-spec.page_size_bytes // LAYER_ALIGN) * LAYER_ALIGN * num_layers
 
 
 # --- the key namespace --------------------------------------------------------------

@@ -203,7 +203,6 @@ class MetaService:
         self._grace_s = (opts.slot_grace_ms if opts.slot_grace_ms is not None else 3 * opts.lease_ttl_ms) / 1000
         self.store: TieredStore | None = None
         self._adoptable: DramTier | None = None  # a dead service's arena, owned now, not yet in use
-        self.geometry: tuple[int, int] | None = None  # (ranks, rank_bytes)
         self._smaller_seen: set[int] = set()  # bytes per rank of smaller blocks warned about
         self._lock = threading.Lock()
         self._making = threading.Lock()  # held while the pool is made (_pool_for)
@@ -225,6 +224,12 @@ class MetaService:
         # up, found in DRAM, found on SSD only, found in the cluster only.
         self._lookups: dict[str, list[int]] = {}
         self._ended_names: dict[str, None] = {}
+
+    @property
+    def geometry(self) -> tuple[int, int] | None:
+        """The pool's (ranks, bytes per rank's part); None before the first instance."""
+        store = self.store
+        return None if store is None else (store.tier.ranks, store.tier.rank_bytes)
 
     # --- lifecycle --------------------------------------------------------
 
@@ -374,13 +379,12 @@ class MetaService:
                 with self._lock:
                     if not self._stop.is_set():
                         self.store, self._stats_page = store, page
-                        self.geometry = (ranks, store.tier.rank_bytes)
                         return store
                 close_store(store)  # stop() came while it was made
                 if page is not None:
                     page.close()
                 raise _Refused("stopping", "the meta service is stopping")
-            have_r, have_b = self.geometry  # type: ignore[misc]
+            have_r, have_b = store.tier.ranks, store.tier.rank_bytes
             if ranks != have_r or rank_bytes > have_b:
                 # Parts of another count: a block is readable once every
                 # part is sealed. Larger blocks: they do not fit a part.
