@@ -306,7 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     extra = list(args.vllm_args)
     return serve(args.model, args.instances, args.log_dir, args.config_dir, extra, first_port=args.port,
-                 host=args.host)
+                 host=args.host, share_cores=args.share_cores)
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -529,6 +529,9 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-dir", default="kvtier-logs", help="logs and the record of process ids")
     sv.add_argument("--port", type=_port, default=0, help="first instance's port (default: free ports)")
     sv.add_argument("--host", default="127.0.0.1", help="address the instances bind")
+    sv.add_argument("--share-cores", action="store_true",
+                    help="on vLLM's CPU build, let every instance run on all of the host's cores (default: "
+                         "each instance on cores of its own, split evenly)")
     sv.set_defaults(func=_serve, own_flags=tuple(o for a in sv._actions for o in a.option_strings
                                                  if o.startswith("--") and o != "--help"))
 

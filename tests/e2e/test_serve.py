@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvtier.hostmem import NT_THRESHOLD, streaming_threshold
-from kvtier.tools.serve import STATE_FILE, process_start_time
+from kvtier.tools.serve import STATE_FILE, host_cpus, id_ranges, physical_cores, process_start_time
 from kvtier.tools.server import parse_metrics, poll_until, session_pids, vllm_shm_files
 from tests.e2e.conftest import BLOCK, CHUNK, DEVICE_BLOCKS, assert_loads_succeeded, complete, delta, tokens
 
@@ -74,6 +74,16 @@ def test_serve_two_instances_one_pool_then_stop_leaves_nothing(tiny_model: str, 
                            if "=" in item)
             assert streaming_threshold(environ) == NT_THRESHOLD
         assert "kvtier: copies of " in (logs / "vllm-0.log").read_text()  # the worker's line on them
+        # On the CPU build, each instance on cores of its own: every process
+        # of its session in its mask, its OpenMP team bound inside it.
+        cores = [os.sched_getaffinity(pid) for pid in instances]
+        if len(physical_cores(host_cpus())) >= 2:
+            assert not cores[0] & cores[1], cores
+            for i, pid in enumerate(instances):
+                assert {frozenset(os.sched_getaffinity(p)) for p in session_pids(pid)} == {frozenset(cores[i])}
+                assert f"cores {id_ranges(list(cores[i]))}" in next(x for x in out if x.startswith(f"instance {i}"))
+                bound = re.search(r"local_rank=0, core ids=\[([\d, ]+)\]", (logs / f"vllm-{i}.log").read_text())
+                assert bound and {int(c) for c in bound.group(1).split(",")} <= cores[i]
         assert segments  # each instance's message queues
         arena = re.search(r"DRAM pool (\S+),", (logs / "meta.log").read_text()).group(1)
         assert os.path.exists(arena)

@@ -13,11 +13,15 @@ import pytest
 
 from kvtier.tools.serve import (
     STATE_FILE,
+    Cpu,
     Serve,
     cuda_build,
     devices_per_instance,
     find_configs,
+    host_cpus,
+    id_ranges,
     process_start_time,
+    split_cores,
     split_devices,
     stop,
     visible_devices,
@@ -509,3 +513,110 @@ def test_this_environment_s_torch_build_is_read_without_importing_it() -> None:
     import importlib.metadata
 
     assert cuda_build() == ("+cpu" not in importlib.metadata.version("torch"))
+
+
+def fake_sys_cpu(root: Path, topology: dict[int, tuple[int, int, int]]) -> str:
+    """A ``/sys/devices/system/cpu`` with ``cpu -> (node, package, core)``."""
+    for cpu, (node, package, core) in topology.items():
+        base = root / f"cpu{cpu}"
+        (base / "topology").mkdir(parents=True)
+        (base / f"node{node}").mkdir()
+        (base / "topology" / "physical_package_id").write_text(f"{package}\n")
+        (base / "topology" / "core_id").write_text(f"{core}\n")
+    return str(root)
+
+
+def test_the_host_s_cpus_are_read_with_their_node_package_and_core(tmp_path: Path) -> None:
+    # Two sockets, two cores each, two threads per core (siblings 4 apart).
+    topo = {cpu: (cpu // 2 % 2, cpu // 2 % 2, cpu % 2) for cpu in range(8)}
+    root = fake_sys_cpu(tmp_path / "cpu", topo)
+    assert host_cpus({0, 2, 5}, root) == [Cpu(0, 0, 0, 0), Cpu(2, 1, 1, 0), Cpu(5, 0, 0, 1)]
+    # A CPU without its topology files: a core of its own on node 0.
+    assert host_cpus({9}, root) == [Cpu(9, 0, 0, -1)]
+    assert {c.id for c in host_cpus()} == os.sched_getaffinity(0)  # this host, as the kernel shows it
+
+
+def test_cpu_lists_are_written_as_ranges() -> None:
+    assert id_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert id_ranges([3]) == "3"
+
+
+def test_instances_get_disjoint_cores_their_siblings_and_one_thread_per_core() -> None:
+    # 2 nodes x 4 cores, hyperthreads: cpu c and c + 8 are one core.
+    cpus = [Cpu(c, node=(c % 8) // 4, core=c % 8) for c in range(16)]
+    shares = split_cores(2, 1, cpus)
+    assert [sorted(s.cpus) for s in shares] == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    assert [s.omp_bind for s in shares] == ["0-3", "4-7"]  # each instance on one node, a thread per core
+    # Two ranks each (-tp 2): a run of cores per rank, as vLLM's list of lists.
+    assert [s.omp_bind for s in split_cores(2, 2, cpus)] == ["0-1|2-3", "4-5|6-7"]
+    # Three instances on eight cores: two cores each; the last two go to none.
+    three = split_cores(3, 1, cpus)
+    assert [s.omp_bind for s in three] == ["0-1", "2-3", "4-5"]
+    assert set().union(*(s.cpus for s in three)) == set(range(16)) - {6, 7, 14, 15}
+    assert split_cores(3, 3, cpus) is None  # 9 ranks, 8 cores: not split
+    # No topology known: each logical CPU a core, in id order.
+    assert [s.omp_bind for s in split_cores(2, 1, [Cpu(0), Cpu(1)])] == ["0", "1"]
+
+
+def test_a_pinned_instance_and_everything_it_starts_run_on_its_cores_only() -> None:
+    """The real spawn: the child's mask, and its child's, are the share's."""
+    import kvtier.tools.serve as serve_mod
+
+    mine = sorted(os.sched_getaffinity(0))
+    want = frozenset(mine[-1:])
+    code = ("import os, subprocess, sys\nprint(sorted(os.sched_getaffinity(0)))\n"
+            "print(subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],"
+            " capture_output=True, text=True).stdout.strip())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         preexec_fn=serve_mod._pin_to(want)).stdout.split("\n")
+    assert out[:2] == [str(sorted(want))] * 2
+    assert sorted(os.sched_getaffinity(0)) == mine  # the supervisor's own mask is left as it was
+
+
+def test_each_instance_is_started_on_cores_of_its_own(tmp_path: Path, monkeypatch) -> None:
+    import kvtier.tools.serve as serve_mod
+
+    started: list[tuple[dict[str, str], object]] = []
+
+    class Spawned:
+        pid = 0
+
+    def popen(argv, *, env, preexec_fn=None, **kw):  # noqa: ANN001, ANN003, ANN202
+        started.append((env, preexec_fn))
+        return Spawned()
+    monkeypatch.setattr(serve_mod.subprocess, "Popen", popen)
+    s = Serve("m", 2, tmp_path, out=lambda *_: None)
+    shares = split_cores(2, 1, [Cpu(0), Cpu(1)])
+    for i in range(2):
+        s._start_instance(i, {"PATH": "/usr/bin"}, None, shares[i])
+    s._start_instance(2, {"PATH": "/usr/bin"})
+    assert [e.get("VLLM_CPU_OMP_THREADS_BIND") for e, _ in started] == ["0", "1", None]
+    assert callable(started[0][1]) and started[2][1] is None
+
+
+def test_when_the_cores_are_split_and_when_a_line_says_why_not(tmp_path: Path, monkeypatch) -> None:
+    import kvtier.tools.serve as serve_mod
+
+    monkeypatch.setattr(serve_mod, "cuda_build", lambda: False)
+    monkeypatch.setattr(serve_mod, "host_cpus", lambda: [Cpu(c, core=c) for c in range(4)])
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    said: list[str] = []
+
+    def shares(n: int, per_instance: int | None, devices=None, **kw) -> list[str] | None:  # noqa: ANN001, ANN003
+        said.clear()
+        got = Serve("m", n, tmp_path, out=said.append, **kw)._core_shares(per_instance, devices)
+        return [x.omp_bind for x in got] if got is not None else None
+
+    assert shares(2, 1) == ["0-1", "2-3"] and said == []
+    assert shares(2, 2) == ["0|1", "2|3"]
+    assert shares(1, 1) is None and said == []  # one instance: vLLM's own binding, all cores
+    assert shares(2, 1, share_cores=True) is None and said == []
+    assert shares(2, 1, devices=["0", "1"]) is None  # on GPUs
+    assert shares(3, 2) is None and said == ["3 instances of 2 rank(s) need 6 cores to run on cores of their "
+                                             "own; 4 here: they share them"]
+    assert shares(2, None) is None and "--config" in said[0]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
+    assert shares(2, 1) is None and "VLLM_CPU_OMP_THREADS_BIND is set" in said[0]
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    monkeypatch.setattr(serve_mod, "cuda_build", lambda: True)
+    assert shares(2, 1) is None and said == []  # a CUDA build: its instances' CPU threads are few

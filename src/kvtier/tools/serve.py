@@ -138,6 +138,104 @@ def split_devices(instances: int, per_instance: int | None, devices: list[str] |
     return [",".join(devices[i * per_instance : (i + 1) * per_instance]) for i in range(instances)]
 
 
+SYS_CPU = "/sys/devices/system/cpu"  # the kernel's view of each logical CPU's topology
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """A logical CPU, with the NUMA node, package and physical core it is on."""
+    id: int
+    node: int = 0
+    package: int = 0
+    core: int = -1  # -1: its own core (no topology to read)
+
+
+def _read_int(path: str, default: int) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return default
+
+
+def host_cpus(allowed: set[int] | None = None, sys_cpu: str = SYS_CPU) -> list[Cpu]:
+    """The logical CPUs this process may run on (``sched_getaffinity``
+    unless ``allowed`` is given), with their topology from ``sys_cpu``
+    (a CPU whose files are missing counts as a core of its own, on node 0)."""
+    out = []
+    for cpu in sorted(os.sched_getaffinity(0) if allowed is None else allowed):
+        base = f"{sys_cpu}/cpu{cpu}"
+        try:
+            node = min((int(e[4:]) for e in os.listdir(base) if e.startswith("node") and e[4:].isdigit()),
+                       default=0)
+        except OSError:
+            node = 0
+        out.append(Cpu(cpu, node, _read_int(f"{base}/topology/physical_package_id", 0),
+                       _read_int(f"{base}/topology/core_id", -1)))
+    return out
+
+
+def id_ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"`` (taskset's and vLLM's form)."""
+    parts: list[str] = []
+    ids = sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class CoreShare:
+    """One instance's share of the host's cores: ``cpus``, the logical
+    CPUs its processes may run on (every sibling of its cores), and
+    ``omp_bind``, ``VLLM_CPU_OMP_THREADS_BIND`` for its ranks (one logical
+    CPU per physical core, as vLLM's own binding takes them; ranks
+    separated by ``|``)."""
+    cpus: frozenset[int]
+    omp_bind: str
+
+
+def physical_cores(cpus: list[Cpu]) -> dict[tuple[int, int, int], list[int]]:
+    """The logical CPUs of each physical core, by (node, package, core)."""
+    cores: dict[tuple[int, int, int], list[int]] = {}
+    for c in cpus:
+        cores.setdefault((c.node, c.package, c.core if c.core >= 0 else (1 << 30) + c.id), []).append(c.id)
+    return cores
+
+
+def split_cores(instances: int, ranks: int, cpus: list[Cpu]) -> list[CoreShare] | None:
+    """Disjoint shares of the physical cores in ``cpus``, one per instance,
+    each cut into ``ranks`` equal runs for its vLLM ranks: cores in order
+    of NUMA node, package and core id, so that a share stays on one node
+    where it can. None where there are fewer physical cores than
+    ``instances * ranks``. Cores left over by an uneven split go to no
+    instance (the meta service and the supervisor run there)."""
+    cores = physical_cores(cpus)
+    order = sorted(cores)
+    per_rank = len(order) // (instances * ranks)
+    if per_rank < 1:
+        return None
+    shares = []
+    for i in range(instances):
+        runs = [order[(i * ranks + r) * per_rank: (i * ranks + r + 1) * per_rank] for r in range(ranks)]
+        share = frozenset(cpu for run in runs for key in run for cpu in cores[key])
+        shares.append(CoreShare(share, "|".join(id_ranges([min(cores[key]) for key in run]) for run in runs)))
+    return shares
+
+
+def _pin_to(cpus: frozenset[int]):  # noqa: ANN202
+    """What the child runs before vLLM starts: every thread and process it
+    makes inherits the mask (vLLM's own binding picks from it)."""
+    def pin() -> None:
+        os.sched_setaffinity(0, cpus)
+    return pin
+
+
 def write_own(path: Path, text: str) -> None:
     """Write ``path`` unless it is a file kvtier serve did not write (one
     without :data:`OWN_HEADER`: refused, naming it). Through a new file
@@ -314,8 +412,9 @@ def meta_role_args(local_conf: str | Path) -> list[str]:
 class Serve:
     def __init__(self, model: str, instances: int, log_dir: Path, config_dir: str | None = None,
                  vllm_args: list[str] | None = None, host: str = "127.0.0.1", first_port: int = 0,
-                 startup_timeout_s: float = 600.0, out=print) -> None:
+                 startup_timeout_s: float = 600.0, out=print, share_cores: bool = False) -> None:
         self.model = model
+        self.share_cores = share_cores
         self.n = instances
         self.log_dir = log_dir
         self.config_dir = config_dir
@@ -346,7 +445,8 @@ class Serve:
         tmp.replace(self.log_dir / STATE_FILE)
         self._wrote = True
 
-    def _start_instance(self, i: int, env: dict[str, str], devices: str | None = None) -> Instance:
+    def _start_instance(self, i: int, env: dict[str, str], devices: str | None = None,
+                        cores: CoreShare | None = None) -> Instance:
         port = self.first_port + i if self.first_port else free_port()
         log_path = self.log_dir / f"vllm-{i}.log"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -354,9 +454,12 @@ class Serve:
                 "--kv-transfer-config", _transfer_config(), *self.vllm_args]
         if devices is not None:
             env = {**env, "CUDA_VISIBLE_DEVICES": devices}
+        if cores is not None:
+            env = {**env, "VLLM_CPU_OMP_THREADS_BIND": cores.omp_bind}
         fd = open_log(log_path)
         try:
-            proc = subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_pin_to(cores.cpus) if cores is not None else None)
         finally:
             os.close(fd)
         return Instance(i, port, proc, log_path, self.host)
@@ -426,6 +529,7 @@ class Serve:
         if per_instance is None and self.n > 1 and visible_devices(dict(os.environ)):
             self.out("vLLM's --config may set its parallel sizes: the instances' devices are not split; "
                      "set CUDA_VISIBLE_DEVICES yourself, or give the sizes as flags")
+        shares = self._core_shares(per_instance, devices)
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
         if self._stop.is_set():  # kvtier stop (or Ctrl-C) during the checks: nothing is started
             raise ServerError("interrupted during start-up")
@@ -441,13 +545,39 @@ class Serve:
         for i in range(self.n):
             if self._stop.is_set():
                 raise ServerError("interrupted during start-up")
-            inst = self._start_instance(i, env, devices[i] if devices else None)
+            inst = self._start_instance(i, env, devices[i] if devices else None, shares[i] if shares else None)
             self.instances.append(inst)
             self._write_state()
             self._wait_ready(inst)
             on = f", CUDA devices {devices[i]}" if devices else ""
+            on += f", cores {id_ranges(list(shares[i].cpus))}" if shares else ""
             self.out(f"instance {i}    {inst.url}/v1   (log {inst.log_path}{on})")
         self._write_state()
+
+    def _core_shares(self, per_instance: int | None, devices: list[str] | None) -> list[CoreShare] | None:
+        """On vLLM's CPU build, each of several instances on cores of its
+        own: vLLM binds one OpenMP thread to each core it is given, so
+        instances that share cores run their teams over each other. Not where the
+        instances run on GPUs, with ``--share-cores``, or where
+        ``VLLM_CPU_OMP_THREADS_BIND`` is set (it goes to every instance as
+        it is); a line says why where it matters."""
+        if self.n < 2 or self.share_cores or devices is not None or cuda_build():
+            return None
+        if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            self.out("VLLM_CPU_OMP_THREADS_BIND is set: every instance gets it as it is, and the host's cores "
+                     "are not split between them")
+            return None
+        if per_instance is None:
+            self.out("vLLM's --config may set its parallel sizes: the host's cores are not split between the "
+                     "instances; set VLLM_CPU_OMP_THREADS_BIND yourself, or give the sizes as flags")
+            return None
+        cpus = host_cpus()
+        shares = split_cores(self.n, per_instance, cpus)
+        if shares is None:
+            cores = len(physical_cores(cpus))
+            self.out(f"{self.n} instances of {per_instance} rank(s) need {self.n * per_instance} cores to run on "
+                     f"cores of their own; {cores} here: they share them")
+        return shares
 
     def watch(self) -> int:
         """Until a stop signal (0) or a child's death (1)."""
@@ -502,8 +632,9 @@ class Serve:
 
 
 def serve(model: str, instances: int, log_dir: str, config_dir: str | None, vllm_args: list[str],
-          first_port: int = 0, host: str = "127.0.0.1") -> int:
-    s = Serve(model, instances, Path(log_dir), config_dir, vllm_args, host=host, first_port=first_port)
+          first_port: int = 0, host: str = "127.0.0.1", share_cores: bool = False) -> int:
+    s = Serve(model, instances, Path(log_dir), config_dir, vllm_args, host=host, first_port=first_port,
+              share_cores=share_cores)
     # SIGHUP: the terminal closed; the children run in sessions of their own
     # and would be left behind.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
