@@ -20,7 +20,10 @@ from kvtier.tools.serve import (
     find_configs,
     host_cpus,
     id_ranges,
+    parse_ids,
+    physical_cores,
     process_start_time,
+    reserved_cores,
     split_cores,
     split_devices,
     stop,
@@ -446,6 +449,8 @@ def test_a_meta_service_that_fails_to_start_leaves_no_folder_behind(tmp_path: Pa
     (["--tensor_parallel_size", "2", "-pcp", "2"], 4),  # vLLM takes "_" for "-" too
     (["-dp", "4", "--data-parallel-size-local=2", "-tp", "2"], 4),  # the replicas on this node
     (["-tp", "2", "--config", "vllm.yaml"], None),  # the file may set the sizes: not split
+    (["-tp", "4", "--nnodes", "2"], None), (["-tp", "2", "-n=2"], None),  # an instance over nodes
+    (["-dp", "4", "--data-parallel-start-rank", "2", "-dpl", "2"], None), (["--headless"], None),
 ])
 def test_the_devices_an_instance_takes_follow_vllms_parallel_sizes(args: list[str], n: int | None) -> None:
     assert devices_per_instance(args) == n
@@ -515,30 +520,34 @@ def test_this_environment_s_torch_build_is_read_without_importing_it() -> None:
     assert cuda_build() == ("+cpu" not in importlib.metadata.version("torch"))
 
 
-def fake_sys_cpu(root: Path, topology: dict[int, tuple[int, int, int]]) -> str:
-    """A ``/sys/devices/system/cpu`` with ``cpu -> (node, package, core)``."""
-    for cpu, (node, package, core) in topology.items():
+def fake_sys_cpu(root: Path, topology: dict[int, tuple[int, int, str]], siblings_file: str = "core_cpus_list"
+                 ) -> str:
+    """A ``/sys/devices/system/cpu`` with ``cpu -> (node, package, its core's CPUs)``."""
+    for cpu, (node, package, siblings) in topology.items():
         base = root / f"cpu{cpu}"
         (base / "topology").mkdir(parents=True)
         (base / f"node{node}").mkdir()
         (base / "topology" / "physical_package_id").write_text(f"{package}\n")
-        (base / "topology" / "core_id").write_text(f"{core}\n")
+        (base / "topology" / "core_id").write_text("0\n")  # repeats across cores on some parts: not used
+        (base / "topology" / siblings_file).write_text(f"{siblings}\n")
     return str(root)
 
 
-def test_the_host_s_cpus_are_read_with_their_node_package_and_core(tmp_path: Path) -> None:
-    # Two sockets, two cores each, two threads per core (siblings 4 apart).
-    topo = {cpu: (cpu // 2 % 2, cpu // 2 % 2, cpu % 2) for cpu in range(8)}
-    root = fake_sys_cpu(tmp_path / "cpu", topo)
-    assert host_cpus({0, 2, 5}, root) == [Cpu(0, 0, 0, 0), Cpu(2, 1, 1, 0), Cpu(5, 0, 0, 1)]
+@pytest.mark.parametrize("siblings_file", ["core_cpus_list", "thread_siblings_list"])  # new kernels, old ones
+def test_the_host_s_cpus_are_read_with_their_node_package_and_core(tmp_path: Path, siblings_file: str) -> None:
+    # Two sockets of two cores, two threads a core (cpu c and c + 4 are one core).
+    topo = {cpu: (cpu % 4 // 2, cpu % 4 // 2, f"{cpu % 4},{cpu % 4 + 4}") for cpu in range(8)}
+    root = fake_sys_cpu(tmp_path / "cpu", topo, siblings_file)
+    assert host_cpus({0, 2, 5, 7}, root) == [Cpu(0, 0, 0, 0), Cpu(2, 1, 1, 2), Cpu(5, 0, 0, 1), Cpu(7, 1, 1, 3)]
+    assert len(physical_cores(host_cpus(set(range(8)), root))) == 4
     # A CPU without its topology files: a core of its own on node 0.
     assert host_cpus({9}, root) == [Cpu(9, 0, 0, -1)]
-    assert {c.id for c in host_cpus()} == os.sched_getaffinity(0)  # this host, as the kernel shows it
 
 
 def test_cpu_lists_are_written_as_ranges() -> None:
     assert id_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
     assert id_ranges([3]) == "3"
+    assert parse_ids("0-2,5,7-8\n") == [0, 1, 2, 5, 7, 8]
 
 
 def test_instances_get_disjoint_cores_their_siblings_and_one_thread_per_core() -> None:
@@ -558,17 +567,39 @@ def test_instances_get_disjoint_cores_their_siblings_and_one_thread_per_core() -
     assert [s.omp_bind for s in split_cores(2, 1, [Cpu(0), Cpu(1)])] == ["0", "1"]
 
 
+def test_cores_are_kept_out_of_each_instance_s_openmp_teams_as_vllm_keeps_them() -> None:
+    cpus = [Cpu(c, node=(c % 8) // 4, core=c % 8) for c in range(16)]
+    # vLLM's default with a connector, one rank: two of each share's four cores.
+    shares = split_cores(2, 1, cpus, reserve=2)
+    assert [s.omp_bind for s in shares] == ["0-1", "4-5"]
+    assert [sorted(s.cpus) for s in shares] == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    assert [s.omp_bind for s in split_cores(2, 2, cpus, reserve=2)] == ["0|2", "4|6"]  # one from each rank
+    assert [s.omp_bind for s in split_cores(2, 2, cpus, reserve=1)] == ["0-1|2", "4-5|6"]  # the last rank's
+    assert [s.omp_bind for s in split_cores(2, 2, cpus, reserve=3)] == ["0|2", "4|6"]  # a run keeps a core
+    # A share with no more cores than the reserve keeps them all (vLLM's rule too).
+    assert [s.omp_bind for s in split_cores(2, 1, [Cpu(0), Cpu(1)], reserve=2)] == ["0", "1"]
+
+
+def test_the_reserve_follows_vllm_s_variable() -> None:
+    assert reserved_cores({}, 1) == 2 and reserved_cores({}, 2) == 4  # vLLM's default, with a connector
+    assert reserved_cores({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, 2) == 0
+    with pytest.raises(ServerError, match=r"VLLM_CPU_NUM_OF_RESERVED_CPU='two'"):
+        reserved_cores({"VLLM_CPU_NUM_OF_RESERVED_CPU": "two"}, 1)
+
+
 def test_a_pinned_instance_and_everything_it_starts_run_on_its_cores_only() -> None:
     """The real spawn: the child's mask, and its child's, are the share's."""
     import kvtier.tools.serve as serve_mod
 
     mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("one CPU: no mask narrower than this process's")
     want = frozenset(mine[-1:])
     code = ("import os, subprocess, sys\nprint(sorted(os.sched_getaffinity(0)))\n"
             "print(subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],"
             " capture_output=True, text=True).stdout.strip())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         preexec_fn=serve_mod._pin_to(want)).stdout.split("\n")
+                         preexec_fn=serve_mod._PinTo(want)).stdout.split("\n")
     assert out[:2] == [str(sorted(want))] * 2
     assert sorted(os.sched_getaffinity(0)) == mine  # the supervisor's own mask is left as it was
 
@@ -591,7 +622,7 @@ def test_each_instance_is_started_on_cores_of_its_own(tmp_path: Path, monkeypatc
         s._start_instance(i, {"PATH": "/usr/bin"}, None, shares[i])
     s._start_instance(2, {"PATH": "/usr/bin"})
     assert [e.get("VLLM_CPU_OMP_THREADS_BIND") for e, _ in started] == ["0", "1", None]
-    assert callable(started[0][1]) and started[2][1] is None
+    assert [p.cpus for _, p in started[:2]] == [s.cpus for s in shares] and started[2][1] is None
 
 
 def test_when_the_cores_are_split_and_when_a_line_says_why_not(tmp_path: Path, monkeypatch) -> None:
@@ -599,7 +630,8 @@ def test_when_the_cores_are_split_and_when_a_line_says_why_not(tmp_path: Path, m
 
     monkeypatch.setattr(serve_mod, "cuda_build", lambda: False)
     monkeypatch.setattr(serve_mod, "host_cpus", lambda: [Cpu(c, core=c) for c in range(4)])
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    for var in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_SIM_MULTI_NUMA", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(var, raising=False)
     said: list[str] = []
 
     def shares(n: int, per_instance: int | None, devices=None, **kw) -> list[str] | None:  # noqa: ANN001, ANN003
@@ -618,5 +650,14 @@ def test_when_the_cores_are_split_and_when_a_line_says_why_not(tmp_path: Path, m
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
     assert shares(2, 1) is None and "VLLM_CPU_OMP_THREADS_BIND is set" in said[0]
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    # vLLM's simulated NUMA nodes take its own binding only (it asserts otherwise).
+    monkeypatch.setenv("VLLM_CPU_SIM_MULTI_NUMA", "1")
+    assert shares(2, 1) is None and "VLLM_CPU_SIM_MULTI_NUMA is set" in said[0]
+    monkeypatch.setenv("VLLM_CPU_SIM_MULTI_NUMA", "0")
+    assert shares(2, 1) == ["0-1", "2-3"]
+    monkeypatch.setattr(serve_mod, "host_cpus", lambda: [Cpu(c, core=c) for c in range(8)])
+    assert shares(2, 1) == ["0-1", "4-5"]  # vLLM's default reserve: two of four cores each
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    assert shares(2, 1) == ["0-3", "4-7"]
     monkeypatch.setattr(serve_mod, "cuda_build", lambda: True)
     assert shares(2, 1) is None and said == []  # a CUDA build: its instances' CPU threads are few

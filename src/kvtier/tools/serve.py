@@ -65,17 +65,27 @@ _PARALLEL_FLAGS = {"-tp": "tp", "--tensor-parallel-size": "tp", "-pp": "pp", "--
                    "-pcp": "pcp", "--prefill-context-parallel-size": "pcp"}
 
 
+# vLLM's flags after which the devices (or cores) of one instance on this
+# node are not the product of its sizes: a file that may set them, an
+# instance spread over nodes, one data parallel rank of several.
+_UNSPLIT_FLAGS = {"--config", "--nnodes", "-n", "--node-rank", "-r", "--data-parallel-rank", "-dpn",
+                  "--data-parallel-start-rank", "-dpr", "--headless"}
+UNSPLIT_WHY = ("vLLM's --config, or its flags for an instance over several nodes, may set its parallel sizes "
+               "per node")
+
+
 def devices_per_instance(vllm_args: list[str]) -> int | None:
     """The devices one vLLM instance takes on this node: its tensor x
     pipeline x prefill-context x data parallel sizes (the local data
     parallel size where given), as given among ``vllm_args`` (1 each when
-    absent); None with ``--config`` (a file may set them: not split)."""
+    absent); None with ``--config`` or a multi-node flag
+    (:data:`_UNSPLIT_FLAGS`: not split)."""
     sizes = {"tp": 1, "pp": 1, "dp": 1, "dpl": 0, "pcp": 1}
     for i, arg in enumerate(vllm_args):
         flag, eq, value = arg.partition("=")
         if flag.startswith("--"):
             flag = "--" + flag[2:].replace("_", "-")
-        if flag == "--config":
+        if flag in _UNSPLIT_FLAGS:
             return None
         if flag not in _PARALLEL_FLAGS:
             continue
@@ -143,7 +153,9 @@ SYS_CPU = "/sys/devices/system/cpu"  # the kernel's view of each logical CPU's t
 
 @dataclass(frozen=True)
 class Cpu:
-    """A logical CPU, with the NUMA node, package and physical core it is on."""
+    """A logical CPU, with the NUMA node, package and physical core it is
+    on; ``core`` names the core by its lowest logical CPU (unique on the
+    host, where core ids repeat across dies or clusters)."""
     id: int
     node: int = 0
     package: int = 0
@@ -158,6 +170,28 @@ def _read_int(path: str, default: int) -> int:
         return default
 
 
+def parse_ids(text: str) -> list[int]:
+    """``"0-2,5"`` as ``[0, 1, 2, 5]`` (the kernel's and vLLM's CPU lists)."""
+    ids: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        ids.extend(range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
+def _first_sibling(base: str) -> int:
+    """The lowest logical CPU of the core that ``base`` (a cpuN folder) is on, -1 unknown."""
+    for name in ("core_cpus_list", "thread_siblings_list"):
+        try:
+            with open(f"{base}/topology/{name}") as f:
+                return min(parse_ids(f.read()))
+        except (OSError, ValueError):
+            continue
+    return -1
+
+
 def host_cpus(allowed: set[int] | None = None, sys_cpu: str = SYS_CPU) -> list[Cpu]:
     """The logical CPUs this process may run on (``sched_getaffinity``
     unless ``allowed`` is given), with their topology from ``sys_cpu``
@@ -170,8 +204,7 @@ def host_cpus(allowed: set[int] | None = None, sys_cpu: str = SYS_CPU) -> list[C
                        default=0)
         except OSError:
             node = 0
-        out.append(Cpu(cpu, node, _read_int(f"{base}/topology/physical_package_id", 0),
-                       _read_int(f"{base}/topology/core_id", -1)))
+        out.append(Cpu(cpu, node, _read_int(f"{base}/topology/physical_package_id", 0), _first_sibling(base)))
     return out
 
 
@@ -208,13 +241,19 @@ def physical_cores(cpus: list[Cpu]) -> dict[tuple[int, int, int], list[int]]:
     return cores
 
 
-def split_cores(instances: int, ranks: int, cpus: list[Cpu]) -> list[CoreShare] | None:
+def split_cores(instances: int, ranks: int, cpus: list[Cpu], reserve: int = 0) -> list[CoreShare] | None:
     """Disjoint shares of the physical cores in ``cpus``, one per instance,
-    each cut into ``ranks`` equal runs for its vLLM ranks: cores in order
-    of NUMA node, package and core id, so that a share stays on one node
-    where it can. None where there are fewer physical cores than
-    ``instances * ranks``. Cores left over by an uneven split go to no
-    instance (the meta service and the supervisor run there)."""
+    each cut into ``ranks`` equal runs for its vLLM ranks, cores in order
+    of NUMA node, package and core (a share spans two nodes only where the
+    split falls across one). None where there are fewer physical cores
+    than ``instances * ranks``. Cores left over by an uneven split go to
+    no instance.
+
+    ``reserve``: cores of each share kept out of its OpenMP teams for the
+    instance's other processes (its API server, engine core, kvtier's
+    threads), as vLLM's own binding keeps them: taken from the ends of the
+    last ranks' runs, never a run's last core, and none where the share has
+    no more cores than that. They stay in the share's ``cpus``."""
     cores = physical_cores(cpus)
     order = sorted(cores)
     per_rank = len(order) // (instances * ranks)
@@ -224,16 +263,41 @@ def split_cores(instances: int, ranks: int, cpus: list[Cpu]) -> list[CoreShare] 
     for i in range(instances):
         runs = [order[(i * ranks + r) * per_rank: (i * ranks + r + 1) * per_rank] for r in range(ranks)]
         share = frozenset(cpu for run in runs for key in run for cpu in cores[key])
-        shares.append(CoreShare(share, "|".join(id_ranges([min(cores[key]) for key in run]) for run in runs)))
+        omp = [[min(cores[key]) for key in run] for run in runs]
+        if per_rank * ranks > reserve:
+            for r in range(ranks):  # vLLM's split of the reserve: the remainder to the last ranks
+                take = reserve // ranks + (1 if r >= ranks - reserve % ranks else 0)
+                omp[r] = omp[r][: max(1, len(omp[r]) - take)]
+        shares.append(CoreShare(share, "|".join(id_ranges(run) for run in omp)))
     return shares
 
 
-def _pin_to(cpus: frozenset[int]):  # noqa: ANN202
+class _PinTo:
     """What the child runs before vLLM starts: every thread and process it
-    makes inherits the mask (vLLM's own binding picks from it)."""
-    def pin() -> None:
-        os.sched_setaffinity(0, cpus)
-    return pin
+    makes inherits the mask (vLLM binds its OpenMP threads inside it)."""
+
+    def __init__(self, cpus: frozenset[int]) -> None:
+        self.cpus = cpus
+
+    def __call__(self) -> None:
+        os.sched_setaffinity(0, self.cpus)
+
+
+def reserved_cores(environ: dict[str, str], ranks: int) -> int:
+    """Cores of an instance's share that vLLM keeps out of its OpenMP teams:
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` where set, else vLLM's own default on
+    x86 with a KV connector (one per rank for its engine core, one more for
+    the connector)."""
+    value = environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    if value is None:
+        return 2 * ranks
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ServerError(f"VLLM_CPU_NUM_OF_RESERVED_CPU={value!r}: expected a whole number of cores, 0 or more")
+    return n
 
 
 def write_own(path: Path, text: str) -> None:
@@ -459,7 +523,10 @@ class Serve:
         fd = open_log(log_path)
         try:
             proc = subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    preexec_fn=_pin_to(cores.cpus) if cores is not None else None)
+                                    preexec_fn=_PinTo(cores.cpus) if cores is not None else None)
+        except subprocess.SubprocessError as err:  # the pin refused (the cores gone from this cgroup's set)
+            raise ServerError(f"vLLM instance {i} could not start on cores {id_ranges(list(cores.cpus))}: "
+                              f"{err}") from None
         finally:
             os.close(fd)
         return Instance(i, port, proc, log_path, self.host)
@@ -527,7 +594,7 @@ class Serve:
         per_instance = devices_per_instance(self.vllm_args)
         devices = split_devices(self.n, per_instance, visible_devices(dict(os.environ)))
         if per_instance is None and self.n > 1 and visible_devices(dict(os.environ)):
-            self.out("vLLM's --config may set its parallel sizes: the instances' devices are not split; "
+            self.out(f"{UNSPLIT_WHY}: the instances' devices are not split; "
                      "set CUDA_VISIBLE_DEVICES yourself, or give the sizes as flags")
         shares = self._core_shares(per_instance, devices)
         meta_conf, local_conf = find_configs(self.config_dir, self.log_dir)
@@ -563,16 +630,17 @@ class Serve:
         it is); a line says why where it matters."""
         if self.n < 2 or self.share_cores or devices is not None or cuda_build():
             return None
-        if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-            self.out("VLLM_CPU_OMP_THREADS_BIND is set: every instance gets it as it is, and the host's cores "
-                     "are not split between them")
-            return None
+        for var in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_SIM_MULTI_NUMA"):
+            if os.environ.get(var, "0" if var == "VLLM_CPU_SIM_MULTI_NUMA" else None) not in (None, "0"):
+                self.out(f"{var} is set: every instance gets it as it is, and the host's cores are not split "
+                         f"between them")
+                return None
         if per_instance is None:
-            self.out("vLLM's --config may set its parallel sizes: the host's cores are not split between the "
-                     "instances; set VLLM_CPU_OMP_THREADS_BIND yourself, or give the sizes as flags")
+            self.out(f"{UNSPLIT_WHY}: the host's cores are not split between the instances; set "
+                     "VLLM_CPU_OMP_THREADS_BIND yourself, or give the sizes as flags")
             return None
         cpus = host_cpus()
-        shares = split_cores(self.n, per_instance, cpus)
+        shares = split_cores(self.n, per_instance, cpus, reserved_cores(dict(os.environ), per_instance))
         if shares is None:
             cores = len(physical_cores(cpus))
             self.out(f"{self.n} instances of {per_instance} rank(s) need {self.n * per_instance} cores to run on "
