@@ -384,7 +384,7 @@ def parser() -> argparse.ArgumentParser:
                    help="test model geometry, or smollm2 (a real model, built offline)")
     d.add_argument("--max-tokens", type=int, default=None, help="answer length (default 8; 48 on a real model)")
     d.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
-                   help="what vLLM computes in (default bfloat16; float32 for a real model on a CPU without bf16)")
+                   help="what vLLM computes in (default bfloat16; float32 on an x86 CPU without bf16 instructions)")
     d.add_argument("--docs", type=int, default=6, help="number of documents")
     d.add_argument("--doc-tokens", type=int, default=3000, help="tokens per document")
     d.add_argument("--device-blocks", type=int, default=110, help="vLLM device cache size in blocks of 64")
