@@ -3,8 +3,10 @@
 Starts ``kvtier serve --instances 2`` (the real command, the test model,
 a meta service, no prefix ever repeated: 0 % hits) in two ways, one after
 the other: with each instance on cores of its own (the default) and with
-``--share-cores`` (every instance on every core, as vLLM binds a lone
-instance). The peer is the other way, measured in the same run; with
+``--share-cores`` (every instance bound as vLLM binds a lone one: on a
+host of one NUMA node, every core). Both with
+``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (as the tests run vLLM: on a small
+host every core in the OpenMP teams). The peer is the other way, measured in the same run; with
 ``--sets N`` the two alternate N times each (split, shared, shared, split,
 ...), so that a slow phase of the machine falls on both. Per way:
 
@@ -13,8 +15,12 @@ instance). The peer is the other way, measured in the same run; with
   instances in turn: what a lone request pays for having fewer cores;
 * ``ttft_busy``: the same while the other instance serves a stream of
   ``--concurrency`` concurrent 2k-token prompts: what a neighbour costs;
-* ``throughput``: tokens per second of ``--concurrency`` concurrent
-  2k-token prompts (64 generated tokens each) split over both instances.
+* ``throughput``: tokens per second (prompt and generated) of
+  ``--concurrency`` concurrent 2k-token prompts (64 generated tokens
+  each) split over both instances.
+
+Every prompt is drawn from a seed of its own (:class:`Seeds`): none is
+ever sent twice, so every request is a cold prefill.
 
 Each measure: the median of its samples over all sets; the ratio printed
 is split / shared (for TTFT, lower is better; for throughput, higher).
@@ -78,12 +84,25 @@ class Served:
         self.proc.wait(120)
 
 
-def measure(served: Served, args: argparse.Namespace, vocab: int, seed0: int) -> dict:
+class Seeds:
+    """Seeds never handed out twice in a run (threads take them too)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            self._next += 1
+            return self._next
+
+
+def measure(served: Served, args: argparse.Namespace, vocab: int, seeds: Seeds) -> dict:
     a, b = served.urls
     out: dict = {"ttft_idle": [], "ttft_busy": [], "throughput": []}
 
-    def batch(client: httpx.Client, urls: list[str], seed: int) -> float:
-        prompts = [random_prompt(seed + i, 2048, vocab) for i in range(args.concurrency)]
+    def batch(client: httpx.Client, urls: list[str]) -> float:
+        prompts = [random_prompt(seeds.take(), 2048, vocab) for _ in range(args.concurrency)]
         t = time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as ex:
             rs = list(ex.map(lambda ip: stream_completion(client, urls[ip[0] % len(urls)], ip[1], max_tokens=64,
@@ -94,33 +113,39 @@ def measure(served: Served, args: argparse.Namespace, vocab: int, seed0: int) ->
         return sum(r.prompt_tokens + r.completion_tokens for r in rs) / wall
 
     with httpx.Client(timeout=600) as client:
-        batch(client, [a, b], seed0 + 900_000)  # each instance's first batch: one-time set-up, not counted
+        batch(client, [a, b])  # each instance's first batch: one-time set-up, not counted
         for i in range(args.rounds):
-            out["ttft_idle"].append(quiet_ttft(client, (a, b)[i % 2], random_prompt(seed0 + i, args.prompt_tokens,
-                                                                                       vocab), args.gap))
+            out["ttft_idle"].append(quiet_ttft(client, (a, b)[i % 2],
+                                               random_prompt(seeds.take(), args.prompt_tokens, vocab), args.gap))
         for i in range(args.rounds):
             target, other = ((a, b), (b, a))[i % 2]
             stop = threading.Event()
+            failed: list[BaseException] = []
 
-            def load(url: str = other, k: int = i) -> None:
-                n = 0
-                while not stop.is_set():
-                    batch(client, [url], seed0 + 100_000 * (k + 1) + 1000 * n)
-                    n += 1
+            def load(url: str = other) -> None:
+                try:
+                    while not stop.is_set():
+                        batch(client, [url])
+                except BaseException as err:  # noqa: BLE001 - raised again below, not lost with the thread
+                    failed.append(err)
             loader = threading.Thread(target=load, daemon=True)
             time.sleep(args.gap)
             loader.start()
-            time.sleep(2.0)  # the neighbour's batch under way
-            r = stream_completion(client, target, random_prompt(seed0 + 50_000 + i, args.prompt_tokens, vocab),
-                                  max_tokens=4)
-            stop.set()
-            loader.join()
+            try:
+                time.sleep(2.0)  # the neighbour's batch under way
+                r = stream_completion(client, target, random_prompt(seeds.take(), args.prompt_tokens, vocab),
+                                      max_tokens=4)
+            finally:
+                stop.set()
+                loader.join()
+            if failed:  # the neighbour was not busy all along: the sample would be an idle one
+                raise RuntimeError(f"the neighbour's load failed: {failed[0]!r}")
             if not r.ok:
                 raise RuntimeError(r.error)
             out["ttft_busy"].append(r.ttft_s)
-        for rep in range(args.tput_reps):
+        for _ in range(args.tput_reps):
             time.sleep(args.gap)
-            out["throughput"].append(batch(client, [a, b], seed0 + 500_000 + 1000 * rep))
+            out["throughput"].append(batch(client, [a, b]))
     return out
 
 
@@ -150,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, dict[str, list[float]]] = {w: {"ttft_idle": [], "ttft_busy": [], "throughput": []}
                                                   for w in ("split", "shared")}
     shares: list[str] = []
+    seeds = Seeds()
     for s in range(args.sets):
         for way in (("split", "shared") if s % 2 == 0 else ("shared", "split")):
             served = Served(model, logs / f"{way}-{s}", way == "shared", args)
             try:
                 if way == "split":
                     shares = served.cores
-                got = measure(served, args, vocab, seed0=1_000_000 * (2 * s + (way == "shared")))
+                got = measure(served, args, vocab, seeds)
             finally:
                 served.stop()
             for k, v in got.items():

@@ -62,9 +62,9 @@ def serving_dtype(real: bool, cpuinfo: str = "/proc/cpuinfo") -> str:
 
     There vLLM's CPU build emulates bf16 matmuls: SmolLM2-135M took 30 s to
     prefill 3,000 tokens in bf16 on a 2-core AVX-512 machine without
-    AVX512_BF16 or AMX, and the 21 M-parameter test model (``bench``) took
-    31 s for 8,192 tokens on a 2-core AVX2 machine (AMD EPYC), where float32
-    took 12.7 s (docs/benchmarks.md, bench/serve.py). So the demo serves either in float32
+    AVX512_BF16 or AMX, and the test model ``bench`` (hidden 512, 4 layers)
+    took 31 s for 8,192 tokens on a 2-core AVX2 machine (AMD EPYC), where
+    float32 took 13 s (docs/benchmarks.md, bench/serve.py). So the demo serves either in float32
     there (a real model's bf16 weights are widened exactly). ``real`` is
     kept for callers that name the model's kind; both kinds get the same.
     On a CUDA build of torch the model runs on the GPU: bfloat16.
