@@ -647,8 +647,9 @@ def test_when_the_cores_are_split_and_when_a_line_says_why_not(tmp_path: Path, m
     assert shares(3, 2) is None and said == ["3 instances of 2 rank(s) need 6 cores to run on cores of their "
                                              "own; 4 here: they share them"]
     assert shares(2, None) is None and "--config" in said[0]
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
-    assert shares(2, 1) is None and "VLLM_CPU_OMP_THREADS_BIND is set" in said[0]
+    for value in ("0-1|2-3", "0"):  # "0": CPU 0, the user's too
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", value)
+        assert shares(2, 1) is None and "VLLM_CPU_OMP_THREADS_BIND is set" in said[0]
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     # vLLM's simulated NUMA nodes take its own binding only (it asserts otherwise).
     monkeypatch.setenv("VLLM_CPU_SIM_MULTI_NUMA", "1")

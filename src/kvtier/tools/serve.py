@@ -630,8 +630,11 @@ class Serve:
         it is); a line says why where it matters."""
         if self.n < 2 or self.share_cores or devices is not None or cuda_build():
             return None
-        for var in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_SIM_MULTI_NUMA"):
-            if os.environ.get(var, "0" if var == "VLLM_CPU_SIM_MULTI_NUMA" else None) not in (None, "0"):
+        # The user's binding, any value ("0" is CPU 0); vLLM's simulated
+        # NUMA nodes, on unless "0" (vLLM asserts beside a bind list).
+        for var, is_set in (("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND" in os.environ),
+                            ("VLLM_CPU_SIM_MULTI_NUMA", os.environ.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0")):
+            if is_set:
                 self.out(f"{var} is set: every instance gets it as it is, and the host's cores are not split "
                          f"between them")
                 return None
