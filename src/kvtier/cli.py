@@ -123,10 +123,12 @@ def _bench_run(args: argparse.Namespace) -> int:
 
 
 def _bench_compare(args: argparse.Namespace) -> int:
+    from kvtier.tools.demo import serving_dtype
     from kvtier.tools.loadgen import load_workload
     from kvtier.tools.server import ServerOptions, VllmServer
 
     sessions = load_workload(args.dataset, args.num_sessions, args.max_turns)
+    dtype = args.dtype or serving_dtype(real=False)  # the demo's choice: emulated bf16 is 2-3x slower
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     kvtier_cfg = {"vllm": None, "dram": {"dram_size": args.dram_size},
                   "ssd": {"dram_size": args.ssd_dram_size or args.dram_size, "ssd_path": args.ssd_path,
@@ -141,7 +143,7 @@ def _bench_compare(args: argparse.Namespace) -> int:
     for name in configs:
         opts = ServerOptions(model=args.model_dir, kvtier=kvtier_cfg[name], block_size=args.block_size,
                              num_gpu_blocks=args.device_blocks, max_num_batched_tokens=args.max_batched_tokens,
-                             max_model_len=args.max_model_len, dtype=args.dtype)
+                             max_model_len=args.max_model_len, dtype=dtype)
         log_path = os.path.join(args.output, f"server-{name}.log") if args.output else None
         if args.output:
             os.makedirs(args.output, exist_ok=True)
@@ -486,7 +488,8 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--device-blocks", type=int, default=None, help="vLLM device cache in blocks (small: more misses)")
     bc.add_argument("--max-batched-tokens", type=int, default=2048)
     bc.add_argument("--max-model-len", type=int, default=16384)
-    bc.add_argument("--dtype", default="bfloat16")
+    bc.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="what vLLM computes in (default bfloat16; float32 on an x86 CPU without bf16 instructions)")
     _add_load_args(bc)
     bc.set_defaults(func=_bench_compare)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main as cli_main
+from kvtier.tools.demo import serving_dtype
 
 pytestmark = pytest.mark.e2e
 
@@ -46,6 +47,8 @@ def test_compare_runs_each_configuration_and_stops_its_servers(tiny_model: str, 
     for name in ("vllm", "ssd"):
         log = (out / f"server-{name}.log").read_text()
         assert "Application startup complete" in log
+        # The demo's dtype: float32 where bf16 would be emulated (x86 without bf16 instructions).
+        assert f"'dtype': '{serving_dtype(real=False)}'" in log
     # Both servers were stopped: nothing listens on their ports any more.
     ports = [int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("stopped vLLM")]
     assert len(ports) == 2
