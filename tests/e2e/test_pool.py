@@ -7,7 +7,8 @@ Tests run in file order and share the processes: a prefix from A is a hit
 on B, from DRAM, then from the SSD once the pool has moved it there; the
 service is killed with -9 while an instance holds pins for a load (both
 instances stopped at that moment) and comes back with its SSD tier; then instance B is killed with -9 while it saves,
-and the service gives back everything B held.
+and the service gives back everything B held; last, an instance of a second model joins A on the pool, and each
+model hits only its own blocks.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import pytest
 
 from kvtier.tools.meta import MetaProcess
 from kvtier.tools.server import VllmServer, free_port, parse_metrics, poll_until, signal_pids
-from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta, reconnects,
-                                server_options, tokens, wait_reconnected)
+from tests.e2e.conftest import (BLOCK, PROMOTE_WAIT, assert_loads_succeeded, complete, delta, hit_after_eviction,
+                                reconnects, server_options, tokens, wait_reconnected)
 
 pytestmark = pytest.mark.e2e
 
@@ -390,3 +391,37 @@ def test_killed_instance_leaves_nothing_held_and_the_other_keeps_hitting(node: N
     assert delta(after, before, EXT_HITS) == 16 * BLOCK
     assert_loads_succeeded(before, after, 16 * BLOCK)
     assert again["text"] == device_hit["text"]
+
+
+def test_two_models_share_one_pool_and_each_hits_only_its_own_blocks(node: Node, gqa_model: str) -> None:
+    """A second model on the same service: one with half the KV per block
+    (grouped-query attention, two KV heads instead of four). Its blocks
+    take whole slots of the first model's size (the pool's slots were
+    sized for A's, the first instance); each model hits its own prefixes
+    from the pool and never the other's."""
+    mha = node.servers["a"]
+    gqa = node.instance("gqa", model=gqa_model)
+    health = node.wait_clients(2)
+    assert len(health["clients"]) == 2  # the second model was not refused (B is gone: the test above)
+    assert "refused this instance" not in gqa.log_text()
+
+    # The same tokens on both: each model's own keys (the namespace).
+    prompt = tokens(140, 20 * BLOCK)
+    for srv, seed in ((mha, 100), (gqa, 200)):
+        device_hit, again, before, after = hit_after_eviction(srv, prompt, filler_seed=seed)
+        assert again["text"] == device_hit["text"]
+        # From the pool's DRAM, or its SSD where the fillers pushed blocks there.
+        assert delta(after, before, EXT_HITS) == 19 * BLOCK == delta(after, before, HOST) + delta(after, before, DISK)
+        assert_loads_succeeded(before, after, 19 * BLOCK)
+
+    # A prefix the first model saved is not a hit for the second, however
+    # alike the tokens, and the other way round.
+    only_mha, only_gqa = tokens(141, 12 * BLOCK), tokens(142, 12 * BLOCK)
+    complete(mha, only_mha)
+    complete(gqa, only_gqa)
+    for srv, other in ((gqa, only_mha), (mha, only_gqa)):
+        before = srv.metrics()
+        complete(srv, other)
+        assert delta(srv.metrics(), before, EXT_HITS) == 0
+    acc = node.meta.health()["slots"]
+    assert acc["used"] > 0 and acc["used"] + acc["free"] + acc["held"] == acc["total"]
