@@ -44,3 +44,27 @@ def test_the_demo_serves_in_float32_where_the_cpu_would_emulate_bf16(tmp_path, m
     assert serving_dtype(real=False, cpuinfo=str(tmp_path / "none")) == "bfloat16"
     monkeypatch.setattr(serve_mod, "cuda_build", lambda: True)  # the model on a GPU: the host's CPU does not matter
     assert serving_dtype(real=True, cpuinfo=str(info)) == "bfloat16"
+
+
+@pytest.mark.parametrize("flags, chosen", [([], "float32"), (["--dtype", "bfloat16"], "bfloat16")])
+def test_bench_compare_takes_the_demos_dtype_unless_told(monkeypatch, capsys, flags: list[str], chosen: str) -> None:
+    """``kvtier bench compare`` without --dtype serves as the demo does
+    (here a CPU that would emulate bf16); --dtype is taken as given."""
+    import kvtier.tools.demo as demo
+    import kvtier.tools.loadgen as loadgen
+    import kvtier.tools.server as server
+    from kvtier.cli import main as cli_main
+
+    monkeypatch.setattr(demo, "serving_dtype", lambda real: "float32")
+    monkeypatch.setattr(loadgen, "load_workload", lambda *a: [])
+    started: list[str | None] = []
+
+    def start(self: server.VllmServer) -> server.VllmServer:
+        started.append(self.options.dtype)
+        raise server.ServerError("not started (test)")
+
+    monkeypatch.setattr(server.VllmServer, "start", start)
+    assert cli_main(["bench", "compare", "--model-dir", "/nonexistent", "--configs", "vllm",
+                     "--dataset", "unused.jsonl", *flags]) == 2
+    assert started == [chosen]
+    assert "not started (test)" in capsys.readouterr().err
