@@ -11,9 +11,14 @@ and needs no network. In a few minutes it checks:
    original bits; for dense layouts the slot bytes equal what the CPU path
    writes for the same tensor, and a layout split into kernel blocks writes
    the same slot bytes as the unsplit one;
-2. device-to-host and host-to-device GB/s of that copy path against a plain
-   ``copy_`` of the same bytes between one pinned host tensor and one device
-   tensor, in the same run (goal: >= 0.8x);
+   each layout also goes through the kernel path (``index_copy_`` over the
+   arena mapped into the device, ``copy.device_slot_view``), whose slot
+   bytes must equal the DMA path's;
+2. device-to-host and host-to-device GB/s of both copy paths (one DMA per
+   block and layer; one kernel per layer) against a plain ``copy_`` of the
+   same bytes between one pinned host tensor and one device tensor, in the
+   same run (goal: >= 0.8x), and the host time the copies take on the
+   calling thread (vLLM's);
 3. with ``--e2e`` and a CUDA build of vLLM importable: a test model served
    with kvtier on the GPU gives the same greedy output for a prompt loaded
    from the DRAM tier (after eviction) as for vLLM's own device prefix hit.
@@ -33,8 +38,8 @@ import uuid
 
 import torch
 
-from kvtier.connector.copy import StreamCopies, gather_blocks, slot_matrix
-from kvtier.hostmem import pin_host_memory
+from kvtier.connector.copy import StreamCopies, device_slot_view, gather_blocks, slot_matrix
+from kvtier.hostmem import mapped_at_host_address, pin_host_memory
 from kvtier.layout import KvLayout, LayoutKind
 from kvtier.tier.dram import DramTier
 
@@ -77,18 +82,27 @@ def layouts(num_blocks: int, layers: int, block_tokens: int, heads: int, head: i
     return out
 
 
-def arena(layout: KvLayout, num_slots: int, folder: str) -> tuple[DramTier, torch.Tensor, object]:
+def arena(layout: KvLayout, num_slots: int, folder: str
+          ) -> tuple[DramTier, torch.Tensor, object, torch.Tensor | None]:
+    """(tier, slot matrix, pinned region or None, the matrix as a device tensor or None)."""
     path = os.path.join(folder, f"kvtier-gpu-check-{uuid.uuid4().hex}")
     tier = DramTier.create(path, (layout.block_bytes + 8192) * (num_slots + 2) + (1 << 20), layout.block_bytes)
-    pinned, why = pin_host_memory(tier._slots.data_ptr(), tier._slots.numel())
+    pinned, why = pin_host_memory(tier._slots.data_ptr(), tier._slots.numel(), unit=tier.slot_stride)
     if pinned is None:
         print(f"  note: arena not pinned ({why}); copies go through pageable memory")
     slots = slot_matrix(tier._slots[:, : tier.rank_bytes], layout)
-    return tier, slots, pinned
+    mapped = None
+    if pinned is not None:
+        ok, why = mapped_at_host_address(pinned)
+        if ok:
+            mapped = device_slot_view(slots, torch.device("cuda"))
+        else:
+            print(f"  note: arena not mapped into the device ({why}); no kernel path")
+    return tier, slots, pinned, mapped
 
 
 def round_trips(folder: str) -> tuple[list[str], int, int]:
-    """(failures, layouts that passed, layouts tried)."""
+    """(failures, layout x path runs that passed, runs tried)."""
     failures: list[str] = []
     passed = tried = 0
     num_blocks, layers, block_tokens, heads, head = 32, 3, 16, 4, 64
@@ -98,42 +112,56 @@ def round_trips(folder: str) -> tuple[list[str], int, int]:
         assert layout.kernel_blocks == split, (name, layout)
         bm = [layout.block_major(kv[n]) for n in layout.layer_names]
         original = [t.clone() for t in bm]
-        tier, slots, pinned = arena(layout, 16, folder)
-        copies = StreamCopies(torch.device("cuda"))
+        tier, slots, pinned, mapped = arena(layout, 16, folder)
         blocks, slot_ids = [3, 17, 0, 31, 8], [0, 5, 2, 9, 15]
-        for i, t in enumerate(bm):
-            copies.save_layer(i, t, layout, blocks, slots, slot_ids)
-        copies.end_saves().synchronize()
-        if layout.dense_blocks:
-            # The CPU path writes the same bytes from a host copy of the tensor.
-            cpu_kv = {n: t.cpu() for n, t in kv.items()}
-            cpu_layout = KvLayout.from_kv_caches(cpu_kv, num_blocks, kind, block_tokens=block_tokens)
-            cpu_slots = torch.zeros(16, layers, layout.layer_stride, dtype=torch.uint8)
-            gather_blocks([cpu_layout.block_major(cpu_kv[n]) for n in cpu_layout.layer_names], cpu_layout,
-                          blocks, cpu_slots, slot_ids)
-            got = slots[slot_ids, :, : layout.layer_block_bytes]
-            if not torch.equal(got, cpu_slots[slot_ids, :, : layout.layer_block_bytes]):
-                failures.append(f"{name}: slot bytes differ from the CPU path's")
-            base = name.split("/")[0]
-            if base in reference_slots and not torch.equal(got, reference_slots[base]):
-                failures.append(f"{name}: slot bytes differ from the unsplit layout's")
-            reference_slots.setdefault(base, got.clone())
-        for t in bm:
-            t[blocks] = 0
-        copies.begin_step()
-        copies.load(bm, layout, [b + 0 for b in blocks], slots, slot_ids)
-        for i in range(len(bm)):
-            copies.wait_layer(i)
-        torch.cuda.current_stream().synchronize()
-        for i, (t, o) in enumerate(zip(bm, original)):
-            if not torch.equal(t.view(torch.int16), o.view(torch.int16)):
-                failures.append(f"{name}: layer {i} differs after a round trip")
-        ok = not any(f.startswith(name + ":") for f in failures)
-        tried += 1
-        passed += ok
-        print(f"  round trip {name:<18} kernel blocks {split}, dense {layout.dense_blocks}: "
-              f"{'ok' if ok else 'FAILED'}")
-        copies.close()
+        by_path: dict[str, torch.Tensor] = {}
+        for path in ("dma", "kernel"):
+            label = f"{name} {path}"
+            if path == "kernel" and mapped is None:
+                failures.append(f"{label}: the arena could not be mapped into the device")
+                continue
+            copies = StreamCopies(torch.device("cuda"))
+            if path == "kernel":
+                copies.map_slots(slots, mapped)
+            slots.zero_()
+            for i, t in enumerate(bm):
+                copies.save_layer(i, t, layout, blocks, slots, slot_ids)
+            copies.end_saves().synchronize()
+            got = slots[slot_ids, :, : layout.layer_block_bytes].clone()
+            by_path[path] = got
+            if layout.dense_blocks:
+                # The CPU path writes the same bytes from a host copy of the tensor.
+                cpu_kv = {n: t.cpu() for n, t in kv.items()}
+                cpu_layout = KvLayout.from_kv_caches(cpu_kv, num_blocks, kind, block_tokens=block_tokens)
+                cpu_slots = torch.zeros(16, layers, layout.layer_stride, dtype=torch.uint8)
+                gather_blocks([cpu_layout.block_major(cpu_kv[n]) for n in cpu_layout.layer_names], cpu_layout,
+                              blocks, cpu_slots, slot_ids)
+                if not torch.equal(got, cpu_slots[slot_ids, :, : layout.layer_block_bytes]):
+                    failures.append(f"{label}: slot bytes differ from the CPU path's")
+                base = name.split("/")[0]
+                if base in reference_slots and not torch.equal(got, reference_slots[base]):
+                    failures.append(f"{label}: slot bytes differ from the unsplit layout's")
+                reference_slots.setdefault(base, got)
+            if path == "kernel" and "dma" in by_path and not torch.equal(got, by_path["dma"]):
+                failures.append(f"{label}: slot bytes differ from the DMA path's")
+            for t in bm:
+                t[blocks] = 0
+            copies.begin_step()
+            copies.load(bm, layout, [b + 0 for b in blocks], slots, slot_ids)
+            for i in range(len(bm)):
+                copies.wait_layer(i)
+            torch.cuda.current_stream().synchronize()
+            for i, (t, o) in enumerate(zip(bm, original)):
+                if not torch.equal(t.view(torch.int16), o.view(torch.int16)):
+                    failures.append(f"{label}: layer {i} differs after a round trip")
+            ok = not any(f.startswith(label + ":") for f in failures)
+            tried += 1
+            passed += ok
+            print(f"  round trip {label:<24} kernel blocks {split}, dense {layout.dense_blocks}: "
+                  f"{'ok' if ok else 'FAILED'}")
+            copies.map_slots(None)
+            copies.close()
+        del mapped
         if pinned is not None:
             pinned.release()
         del slots
@@ -141,52 +169,69 @@ def round_trips(folder: str) -> tuple[list[str], int, int]:
     return failures, passed, tried
 
 
-def bandwidth(folder: str, blocks: int) -> tuple[float, float, float, float]:
-    """(kvtier D2H, baseline D2H, kvtier H2D, baseline H2D) in GB/s, for an 8B-class layer geometry."""
+def bandwidth(folder: str, blocks: int) -> dict[str, float]:
+    """GB/s of saves (D2H) and loads (H2D) through each copy path and a
+    pinned copy_ of the same bytes, and the host milliseconds the calling
+    thread spends queueing one save and one load, for an 8B-class layer
+    geometry (32 layers, 16-token blocks, 8 KV heads of 128, bf16)."""
     layers, block_tokens, heads, head = 32, 16, 8, 128
     num_blocks = blocks * 2
     kv = {f"l{i}": random_bits((num_blocks, heads, block_tokens, 2 * head), torch.bfloat16, "cuda", i)
           for i in range(layers)}
     layout = KvLayout.from_kv_caches(kv, num_blocks, block_tokens=block_tokens)
     bm = [layout.block_major(kv[n]) for n in layout.layer_names]
-    tier, slots, pinned = arena(layout, blocks, folder)
-    copies = StreamCopies(torch.device("cuda"))
+    tier, slots, pinned, mapped = arena(layout, blocks, folder)
     ids = list(range(0, num_blocks, 2))[:blocks]
     slot_ids = list(range(blocks))
     nbytes = blocks * layers * layout.layer_block_bytes
+    out: dict[str, float] = {}
 
-    def timed(fn) -> float:
+    def timed(fn, name: str) -> None:
         fn()  # warm-up
         torch.cuda.synchronize()
-        best = float("inf")
+        best = host = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            fn()
+            queued = fn()
+            t1 = time.perf_counter()
+            if isinstance(queued, torch.cuda.Event):
+                queued.synchronize()
             torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
-        return nbytes / best / 1e9
+            host = min(host, t1 - t0)
+        out[name] = nbytes / best / 1e9
+        out[name + "_host_ms"] = host * 1e3
 
-    def save() -> None:
-        for i, t in enumerate(bm):
-            copies.save_layer(i, t, layout, ids, slots, slot_ids)
-        copies.end_saves().synchronize()
+    for path in ("dma", "kernel"):
+        if path == "kernel" and mapped is None:
+            continue
+        copies = StreamCopies(torch.device("cuda"))
+        if path == "kernel":
+            copies.map_slots(slots, mapped)
 
-    def load() -> None:
-        copies.load(bm, layout, ids, slots, slot_ids)
-        copies.wait_loads()
+        def save():
+            for i, t in enumerate(bm):
+                copies.save_layer(i, t, layout, ids, slots, slot_ids)
+            return copies.end_saves()
 
+        def load():
+            done = copies.load(bm, layout, ids, slots, slot_ids)
+            copies.wait_loads()
+            return done
+
+        timed(save, f"{path}_d2h")
+        timed(load, f"{path}_h2d")
+        copies.map_slots(None)
+        copies.close()
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    d2h = timed(save)
-    h2d = timed(load)
-    base_d2h = timed(lambda: host.copy_(dev, non_blocking=True))
-    base_h2d = timed(lambda: dev.copy_(host, non_blocking=True))
-    copies.close()
+    timed(lambda: host.copy_(dev, non_blocking=True), "base_d2h")
+    timed(lambda: dev.copy_(host, non_blocking=True), "base_h2d")
+    mapped = None
     if pinned is not None:
         pinned.release()
-    del slots
     tier.close()
-    return d2h, base_d2h, h2d, base_h2d
+    return out
 
 
 def e2e() -> str:
@@ -224,10 +269,25 @@ def e2e() -> str:
     return ""
 
 
+def run_tests(here: str) -> str:
+    """tests/cuda under pytest (when pytest is there): '' when they pass, else why not."""
+    import subprocess
+
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return "tests/cuda not run: no pytest"
+    env = dict(os.environ, PYTHONPATH=os.path.join(here, "src") + os.pathsep + here)
+    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                          os.path.join(here, "tests", "cuda")], cwd=here, env=env)
+    return "" if rc == 0 else f"tests/cuda failed (pytest exit {rc})"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blocks", type=int, default=256, help="blocks per bandwidth run (2 MiB each)")
     ap.add_argument("--e2e", action="store_true", help="also serve a test model with vLLM (CUDA build) and kvtier")
+    ap.add_argument("--no-tests", action="store_true", help="skip tests/cuda")
     ap.add_argument("--shm-dir", default="/dev/shm")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -237,9 +297,22 @@ def main() -> int:
     print(f"torch {torch.__version__} CUDA {torch.version.cuda} on {torch.cuda.get_device_name()}")
     folder = args.shm_dir if os.path.isdir(args.shm_dir) else tempfile.gettempdir()
     failures, passed, tried = round_trips(folder)
-    d2h, base_d2h, h2d, base_h2d = bandwidth(folder, args.blocks)
-    print(f"  D2H kvtier {d2h:.1f} GB/s, pinned copy_ {base_d2h:.1f} GB/s ({d2h / base_d2h:.2f}x)")
-    print(f"  H2D kvtier {h2d:.1f} GB/s, pinned copy_ {base_h2d:.1f} GB/s ({h2d / base_h2d:.2f}x)")
+    bw = bandwidth(folder, args.blocks)
+    summary = []
+    for path in ("dma", "kernel"):
+        if f"{path}_d2h" not in bw:
+            continue
+        for way in ("d2h", "h2d"):
+            got, base = bw[f"{path}_{way}"], bw[f"base_{way}"]
+            print(f"  {way.upper()} {path:<6} {got:6.1f} GB/s, pinned copy_ {base:6.1f} GB/s ({got / base:.2f}x); "
+                  f"host thread {bw[f'{path}_{way}_host_ms']:.2f} ms for {args.blocks} blocks x 32 layers")
+            summary.append(f"{way.upper()} {path} {got:.1f} GB/s = {got / base:.2f}x")
+    notes = []
+    if not args.no_tests:
+        why = run_tests(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        notes.append(why or "tests/cuda passed")
+        if why and not why.endswith("no pytest"):
+            failures.append(why)
     e2e_note = "e2e not run"
     if args.e2e:
         why = e2e()
@@ -247,9 +320,8 @@ def main() -> int:
         if why:
             failures.append(why)
     verdict = "PASS" if not failures else "FAIL"
-    print(f"gpu_check: {verdict} round trips {passed}/{tried} layouts bit-exact; "
-          f"D2H {d2h:.1f} GB/s = {d2h / base_d2h:.2f}x pinned copy_; H2D {h2d:.1f} GB/s = {h2d / base_h2d:.2f}x; "
-          f"{e2e_note}" + ("" if not failures else " | " + "; ".join(failures)))
+    print(f"gpu_check: {verdict} round trips {passed}/{tried} layout x path runs bit-exact; " + "; ".join(summary)
+          + f"; {'; '.join(notes + [e2e_note])}" + ("" if not failures else " | " + "; ".join(failures)))
     return 0 if not failures else 1
 
 

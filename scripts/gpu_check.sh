@@ -1,6 +1,8 @@
 #!/bin/sh
 # kvtier's CUDA copy path checked in one step on a machine with an NVIDIA GPU:
-# bit-exact round trips for each paged layout, copy GB/s against a pinned copy_,
+# bit-exact round trips for each paged layout through both copy paths (one DMA
+# per block and layer; kernels over the mapped arena), their GB/s against a
+# pinned copy_, the tests in tests/cuda (when pytest is there),
 # and (with --e2e, when a CUDA build of vLLM is importable) a DRAM hit served by
 # vLLM with the device hit's output. Uses the python3 already there (CUDA torch
 # 2.11+, numpy, xxhash); installs nothing, needs no network. Arguments go to

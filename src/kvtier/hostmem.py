@@ -205,6 +205,7 @@ def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
 # --- page-locked (pinned) host memory for device copies ------------------------
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: in the device's address space (kernels reach it)
 # One registration of 512 GiB or more fails whatever the free memory (seen
 # on H200 nodes); the seeds' pools reach 1 TB (128 GB x 8 devices). Regions
 # are registered in parts of at most this size (whole pages; a block copy
@@ -306,7 +307,7 @@ def pin_host_memory(ptr: int, size_bytes: int, cudart=None, chunk_bytes: int = P
     for start in range(0, size_bytes, chunk):
         n = min(chunk, size_bytes - start)
         try:
-            code = cudart.cudaHostRegister(ptr + start, n, _HOST_REGISTER_PORTABLE)
+            code = cudart.cudaHostRegister(ptr + start, n, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
         except Exception as err:  # noqa: BLE001 - a binding that raises instead of returning a code
             why = f"cudaHostRegister raised {err}"
             break
@@ -322,6 +323,30 @@ def pin_host_memory(ptr: int, size_bytes: int, cudart=None, chunk_bytes: int = P
             PinnedRegion(cudart, ptr, size_bytes, parts).release()
         return None, why
     return PinnedRegion(cudart, ptr, size_bytes, parts), ""
+
+
+def mapped_at_host_address(region: PinnedRegion, driver=None) -> tuple[bool, str]:
+    """Whether every part of ``region`` is mapped into the current CUDA
+    context's address space at its own host address (unified addressing,
+    and a device that can use host pointers for registered memory, as on
+    x86-64 Linux): then kernels may read and write the region through a
+    device tensor over the same addresses (copy.device_slot_view). (ok, why
+    not). ``driver``: libcuda's binding, given by tests; asked on the
+    thread that registered the region (its context is current there)."""
+    try:
+        if driver is None:
+            driver = ctypes.CDLL("libcuda.so.1")
+        get = driver.cuMemHostGetDevicePointer_v2
+    except (OSError, AttributeError) as err:
+        return False, f"no CUDA driver API ({err})"
+    for part in region.parts:
+        dptr = ctypes.c_uint64(0)
+        code = int(get(ctypes.pointer(dptr), ctypes.c_void_p(part), ctypes.c_uint(0)))
+        if code != 0:
+            return False, f"cuMemHostGetDevicePointer returned error {code}"
+        if dptr.value != part:
+            return False, f"mapped at device address {dptr.value:#x}, not at its host address {part:#x}"
+    return True, ""
 
 
 def _memlock_limit() -> str:

@@ -66,6 +66,9 @@ class Stream:
     def close(self) -> None:
         pass
 
+    def map_slots(self, slots, mapped=None) -> None:  # noqa: ANN001 - kernels over a mapped arena: CUDA only
+        self.mapped = mapped is not None
+
 
 @pytest.fixture
 def device_worker(make_tier, capacity_for):

@@ -130,7 +130,8 @@ def test_pinning_registers_the_region_and_releases_it_once() -> None:
     driver = _Driver()
     region, why = pin_host_memory(0x7F0000000000, 1 << 20, cudart=driver)
     assert region is not None and why == ""
-    assert driver.registered == [(0x7F0000000000, 1 << 20, 1)]  # portable: every context sees it pinned
+    # portable: every context sees it pinned; mapped: kernels may reach it (copy.device_slot_view)
+    assert driver.registered == [(0x7F0000000000, 1 << 20, 3)]
     region.release()
     region.release()
     assert driver.unregistered == [0x7F0000000000]
@@ -179,9 +180,9 @@ def test_a_large_region_is_pinned_in_parts_and_released_part_by_part() -> None:
     driver = _Driver()
     region, why = pin_host_memory(base, size, cudart=driver)
     assert region is not None and why == ""
-    assert driver.registered == [(base, PIN_CHUNK_BYTES, 1), (base + PIN_CHUNK_BYTES, PIN_CHUNK_BYTES, 1),
-                                 (base + 2 * PIN_CHUNK_BYTES, PIN_CHUNK_BYTES, 1),
-                                 (base + 3 * PIN_CHUNK_BYTES, 8192, 1)]
+    assert driver.registered == [(base, PIN_CHUNK_BYTES, 3), (base + PIN_CHUNK_BYTES, PIN_CHUNK_BYTES, 3),
+                                 (base + 2 * PIN_CHUNK_BYTES, PIN_CHUNK_BYTES, 3),
+                                 (base + 3 * PIN_CHUNK_BYTES, 8192, 3)]
     region.release()
     assert driver.unregistered == [p for p, _, _ in driver.registered]
 
@@ -296,3 +297,39 @@ def test_every_vllm_instance_started_gets_the_threshold_unless_one_is_set(monkey
     assert streaming_threshold(VllmServer(opts, port=1).environment()) == NT_THRESHOLD
     own = ServerOptions(model="m", env={GLIBC_TUNABLES: f"{NT_TUNABLE}=0x20000"})
     assert VllmServer(own, port=1).environment()[GLIBC_TUNABLES] == f"{NT_TUNABLE}=0x20000"
+
+
+class _DevicePointers:
+    """Stands in for libcuda at the driver boundary: answers
+    cuMemHostGetDevicePointer with ``address(host)`` or an error code."""
+
+    def __init__(self, address=lambda p: p, code: int = 0) -> None:  # noqa: ANN001
+        self.address, self.code, self.asked = address, code, []
+
+    def cuMemHostGetDevicePointer_v2(self, out, host, flags) -> int:  # noqa: ANN001, N802 - CUDA's name
+        self.asked.append(host.value)
+        if self.code == 0:
+            out.contents.value = self.address(host.value)
+        return self.code
+
+
+def test_a_region_mapped_at_its_host_addresses_is_usable_by_kernels() -> None:
+    from kvtier.hostmem import PinnedRegion, mapped_at_host_address
+
+    region = PinnedRegion(_Driver(), 0x7F0000000000, 3 << 20, [0x7F0000000000, 0x7F0000100000, 0x7F0000200000])
+    driver = _DevicePointers()
+    assert mapped_at_host_address(region, driver) == (True, "")
+    assert driver.asked == region.parts  # every registration, not only the first
+
+
+def test_a_region_mapped_elsewhere_or_not_at_all_keeps_the_dma_copies() -> None:
+    from kvtier.hostmem import PinnedRegion, mapped_at_host_address
+
+    region = PinnedRegion(_Driver(), 0x7F0000000000, 2 << 20, [0x7F0000000000, 0x7F0000100000])
+    elsewhere = _DevicePointers(lambda p: p if p == 0x7F0000000000 else p + 4096)
+    ok, why = mapped_at_host_address(region, elsewhere)
+    assert not ok and "0x7f0000101000" in why and "0x7f0000100000" in why
+    ok, why = mapped_at_host_address(region, _DevicePointers(code=1))  # CUDA_ERROR_INVALID_VALUE
+    assert not ok and "error 1" in why
+    ok, why = mapped_at_host_address(region, object())
+    assert not ok and "no CUDA driver API" in why

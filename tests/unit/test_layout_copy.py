@@ -446,3 +446,73 @@ def test_gather_sealed_stops_at_a_failing_seal(make_tier, capacity_for) -> None:
     assert tier.verify(0, key, 0)  # sealed before the failure: whole
     assert not tier.is_sealed(1, key) and not tier.is_sealed(2, key)
     assert torch.all(tier.rank_view(2, 0) == 0)  # never reached
+
+
+# --- the device-kernel path (copy.indexed_gather / indexed_scatter) -----------------
+#
+# On CUDA the slot matrix is also a device tensor over the mapped arena and a
+# step's blocks of a layer move in one index_copy_; run here on CPU tensors
+# (the slot matrix itself), the bytes must be those of the per-block path.
+
+
+def _layouts_for_kernels() -> dict[str, tuple[dict[str, torch.Tensor], int | None]]:
+    """name -> (per-layer KV views, tokens per block when blocks are split into kernel blocks)."""
+    g = torch.Generator().manual_seed(11)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randint(-(1 << 15), (1 << 15) - 1, shape, dtype=torch.int16, generator=g).view(torch.bfloat16)
+
+    out: dict[str, tuple[dict[str, torch.Tensor], int | None]] = {
+        "cpu": ({f"l{i}": rand(*shape_of(LayoutKind.CPU)) for i in range(3)}, None),
+        "flash": ({f"l{i}": rand(*shape_of(LayoutKind.FLASH)) for i in range(3)}, None),
+        # dense blocks in another dimension order (vLLM's LBNHC): a block's run, not its view order
+        "heads-inner": ({f"l{i}": rand(NUM_BLOCKS, BLOCK_TOKENS, HEADS, 2 * HEAD_SIZE).transpose(1, 2)
+                         for i in range(3)}, None),
+        # blocks with gaps (not dense): the view's order
+        "gaps": ({f"l{i}": rand(NUM_BLOCKS, HEADS, BLOCK_TOKENS, 4 * HEAD_SIZE)[..., : 2 * HEAD_SIZE]
+                  for i in range(3)}, None),
+    }
+    raw = torch.randint(-128, 127, (1024 * NUM_BLOCKS * 3,), dtype=torch.int8, generator=g)
+    out["kernel-blocks"] = (_vllm_views(raw, NUM_BLOCKS, 3, 4), 16)
+    return out
+
+
+@pytest.mark.parametrize("name", ["cpu", "flash", "heads-inner", "gaps", "kernel-blocks"])
+def test_the_kernel_path_writes_and_reads_the_per_block_path_s_bytes(make_tier, capacity_for, name: str) -> None:
+    from kvtier.connector.copy import indexed_gather, indexed_scatter
+
+    kv, block_tokens = _layouts_for_kernels()[name]
+    layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS, block_tokens=block_tokens)
+    bm = [layout.block_major(kv[n]) for n in layout.layer_names]
+    originals = [bits(t).clone() for t in bm]
+    tier = make_tier(capacity_for(8, layout.block_bytes), layout.block_bytes)
+    slots = rank_slots(tier, 0, layout)
+    blocks, by_blocks, by_kernel = [5, 0, 7, 2], [0, 1, 2, 3], [6, 4, 7, 5]
+    gather_blocks(bm, layout, blocks, slots, by_blocks)
+    b_idx, s_idx = torch.tensor(blocks), torch.tensor(by_kernel)
+    for i, t in enumerate(bm):
+        indexed_gather(t, layout, b_idx, slots, s_idx, i)
+    for a, b in zip(by_blocks, by_kernel):
+        assert torch.equal(tier.rank_view(a), tier.rank_view(b)), (a, b)
+    for t in bm:
+        t[blocks] = 0
+    # Loaded by the kernel path into other blocks too: 5's bytes into 1, 2's into 6.
+    for i, t in enumerate(bm):
+        indexed_scatter(t, layout, torch.tensor([5, 0, 7, 2, 1, 6]), slots, torch.tensor([6, 4, 7, 5, 6, 5]), i)
+    for t, o in zip(bm, originals):
+        assert torch.equal(bits(t)[[5, 0, 7, 2, 3, 4]], o[[5, 0, 7, 2, 3, 4]])
+        assert torch.equal(bits(t)[1], o[5]) and torch.equal(bits(t)[6], o[2])
+    for s in range(4, 8):  # the kernel path never writes past a layer's block in a slot
+        for i in range(len(bm)):
+            assert torch.all(slots[s, i, layout.layer_block_bytes :] == 0)
+
+
+def test_ids_outside_the_tensors_are_refused_before_any_kernel() -> None:
+    from kvtier.connector.copy import checked_ids
+
+    checked_ids([0, 3, 7], 8, "slot")
+    checked_ids([], 0, "slot")
+    with pytest.raises(ValueError, match="slot 8 is outside"):
+        checked_ids([0, 8], 8, "slot")
+    with pytest.raises(ValueError, match="block -1 is outside"):
+        checked_ids([-1], 8, "block")

@@ -41,6 +41,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 _MEMMOVE = os.environ.get("KVTIER_COPY", "memmove") == "memmove"
+# CUDA: "mapped" (kernels over the mapped arena once it is registered; see
+# device_slot_view) or "blocks" (one DMA per block and layer, always).
+CUDA_COPY = "blocks" if os.environ.get("KVTIER_CUDA_COPY", "mapped") == "blocks" else "mapped"
 
 from kvtier.layout import KvLayout, block_run
 
@@ -272,6 +275,41 @@ class StreamCopies:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self._layer_ready: dict[int, torch.cuda.Event] = {}
+        # The slot matrix as a device tensor (device_slot_view) once the
+        # arena is page-locked and mapped, and the host matrix it stands
+        # for: copies of those slots are then one kernel a layer.
+        self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._ids: tuple | None = None  # (block ids, slot ids, blocks, slots, the two device tensors)
+
+    def map_slots(self, slots: torch.Tensor | None, mapped: torch.Tensor | None = None) -> None:
+        """Copy ``slots`` through ``mapped`` (its device view) from now on;
+        ``(None)``: per block again (before the registration ends)."""
+        self._mapped = None if slots is None or mapped is None else (slots, mapped)
+
+    @property
+    def mapped(self) -> bool:
+        return self._mapped is not None
+
+    def _view(self, slots: torch.Tensor) -> torch.Tensor | None:
+        m = self._mapped
+        if m is None or m[0].data_ptr() != slots.data_ptr() or m[0].shape != slots.shape:
+            return None
+        return m[1]
+
+    def _indices(self, block_ids: Sequence[int], slot_ids: Sequence[int], num_blocks: int,
+                 num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids as device tensors, copied on this stream (current when
+        called) from page-locked memory; the last pair is reused (a step's
+        layers name the same blocks)."""
+        last = self._ids
+        if last is not None and last[:4] == (block_ids, slot_ids, num_blocks, num_slots):
+            return last[4], last[5]
+        checked_ids(block_ids, num_blocks, "block")
+        checked_ids(slot_ids, num_slots, "slot")
+        host = torch.tensor([list(block_ids), list(slot_ids)], dtype=torch.long).pin_memory()
+        both = host.to(self.device, non_blocking=True)
+        self._ids = (list(block_ids), list(slot_ids), num_blocks, num_slots, both[0], both[1])
+        return both[0], both[1]
 
     def begin_step(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -284,9 +322,15 @@ class StreamCopies:
         # The blocks were allocated for this step; work vLLM queued before
         # (earlier steps) may still use them.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        view = self._view(slots)
         with torch.cuda.stream(self.stream):
+            if view is not None:
+                b_idx, s_idx = self._indices(block_ids, slot_ids, layers[0].shape[0], view.shape[0])
             for i, bm in enumerate(layers):
-                scatter_blocks([bm], layout, block_ids, slots, slot_ids, first_layer=i)
+                if view is not None:
+                    indexed_scatter(bm, layout, b_idx, view, s_idx, i)
+                else:
+                    scatter_blocks([bm], layout, block_ids, slots, slot_ids, first_layer=i)
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
                 self._layer_ready[i] = ready
@@ -308,8 +352,13 @@ class StreamCopies:
     def save_layer(self, index: int, bm: torch.Tensor, layout: KvLayout, block_ids: Sequence[int],
                    slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        view = self._view(slots)
         with torch.cuda.stream(self.stream):
-            gather_blocks([bm], layout, block_ids, slots, slot_ids, first_layer=index)
+            if view is not None:
+                b_idx, s_idx = self._indices(block_ids, slot_ids, bm.shape[0], view.shape[0])
+                indexed_gather(bm, layout, b_idx, view, s_idx, index)
+            else:
+                gather_blocks([bm], layout, block_ids, slots, slot_ids, first_layer=index)
 
     def end_saves(self) -> torch.cuda.Event:
         done = torch.cuda.Event()
@@ -318,3 +367,88 @@ class StreamCopies:
 
     def close(self) -> None:
         self.stream.synchronize()
+
+
+# --- device kernels over the mapped arena (CUDA) ----------------------------------
+#
+# One copy_ per block and layer costs the host ~10 us of Python and a DMA
+# launch each: a 64k-token save of an 8B-class model is 4,096 blocks x 32
+# layers, ~1.3 s of vLLM's thread. With the arena page-locked and mapped
+# into the device's address space at its own addresses (hostmem.
+# mapped_at_host_address), the slots are also a CUDA tensor, and one
+# index_copy_ per layer moves all of a step's blocks of that layer: the
+# kernel reads or writes host memory over the bus, the host launches
+# three kernels a layer whatever the number of blocks. The bytes written
+# are the same as the per-block path's (tests/unit/test_layout_copy.py).
+
+
+class _CudaArrayInterface:
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def device_slot_view(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``slots`` (a host tensor over page-locked memory mapped into
+    ``device``'s address space at the same addresses) as a tensor of
+    ``device`` with the same shape and strides: kernels read and write the
+    host memory through it. Valid while the registration is."""
+    span = 1 + sum((n - 1) * s for n, s in zip(slots.shape, slots.stride()) if n > 0)
+    flat = torch.as_tensor(_CudaArrayInterface(slots.data_ptr(), span), device=device)
+    return flat.as_strided(slots.shape, slots.stride(), 0)
+
+
+def _words(*rows: torch.Tensor) -> list[torch.Tensor]:
+    """2-D uint8 views whose rows are runs of bytes, as the widest integer
+    type that every view's address, row stride and row length allow (fewer,
+    wider accesses for the copy kernels)."""
+    for width, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if all(r.data_ptr() % width == 0 and r.stride(0) % width == 0 and r.shape[1] % width == 0
+               for r in rows):
+            return [r.view(dtype) for r in rows]
+    return list(rows)
+
+
+def _block_rows(bm: torch.Tensor) -> torch.Tensor:
+    """A block-major view of dense blocks as ``(blocks, bytes of a block)``
+    uint8 rows, each block's run of memory (what :func:`block_run` gives)."""
+    rows = bm.as_strided((bm.shape[0], bm[0].numel()), (bm.stride(0), 1), bm.storage_offset())
+    return rows.view(torch.uint8)
+
+
+def checked_ids(ids: Sequence[int], limit: int, what: str) -> None:
+    """Raise ValueError unless every id is in ``[0, limit)``: an index out of
+    range in a device kernel is a device-side assert that ends the CUDA
+    context (and vLLM with it), so it is refused on the host first."""
+    if ids and (min(ids) < 0 or max(ids) >= limit):
+        bad = next(i for i in ids if not 0 <= i < limit)
+        raise ValueError(f"{what} {bad} is outside [0, {limit})")
+
+
+def indexed_gather(bm: torch.Tensor, layout: KvLayout, block_idx: torch.Tensor, dslots: torch.Tensor,
+                   slot_idx: torch.Tensor, layer: int) -> None:
+    """Copy blocks ``block_idx`` of one layer (block-major view ``bm``) into
+    rows ``slot_idx`` of ``dslots`` (the slot matrix, on any device), layer
+    ``layer``: one gather and one index_copy_, the bytes :func:`gather_blocks` writes.
+    The indices are tensors of ``bm``'s device, checked by the caller."""
+    nbytes = layout.layer_block_bytes
+    if layout.dense_blocks:
+        dst, rows = _words(dslots[:, layer, :nbytes], _block_rows(bm))
+        src = rows.index_select(0, block_idx)
+    else:  # the block in its view's order, as copy_ of the block writes it
+        src = bm.index_select(0, block_idx).reshape(len(block_idx), -1).view(torch.uint8)
+        dst, src = _words(dslots[:, layer, :nbytes], src)
+    dst.index_copy_(0, slot_idx, src)
+
+
+def indexed_scatter(bm: torch.Tensor, layout: KvLayout, block_idx: torch.Tensor, dslots: torch.Tensor,
+                    slot_idx: torch.Tensor, layer: int) -> None:
+    """The reverse of :func:`indexed_gather`: rows ``slot_idx`` into blocks ``block_idx``."""
+    nbytes = layout.layer_block_bytes
+    if layout.dense_blocks:
+        src, rows = _words(dslots[:, layer, :nbytes], _block_rows(bm))
+        rows.index_copy_(0, block_idx, src.index_select(0, slot_idx))
+    else:
+        src = _words(dslots[:, layer, :nbytes])[0].index_select(0, slot_idx)
+        blocks = src.view(torch.uint8).view(layout.dtype).view(len(block_idx), *bm.shape[1:])
+        bm.index_copy_(0, block_idx, blocks)

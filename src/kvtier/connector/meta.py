@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+except ImportError:  # the worker's copy path without vLLM installed (tests/cuda, bench/gpu_check.py)
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """vLLM's marker base class, where vLLM is not installed."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """vLLM's marker base class, where vLLM is not installed."""
 
 
 @dataclass

@@ -10,9 +10,23 @@ Transfer metrics: ..." and feeds :class:`KvtierPromMetrics`, which exports
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+except ImportError:  # the worker's copy path without vLLM installed (tests/cuda, bench/gpu_check.py)
+
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        """vLLM's stats container (its ``data`` field), where vLLM is not installed."""
+
+        data: dict[str, Any] = field(default_factory=dict)
+
+        def to_dict(self) -> dict[str, Any]:
+            return self.data
+
+    KVConnectorPromMetrics = object  # type: ignore[assignment,misc]  # made by vLLM only
 
 # Counters summed across workers and intervals.
 COUNTERS = (

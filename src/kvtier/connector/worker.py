@@ -69,8 +69,10 @@ from typing import Any
 import torch
 
 from kvtier.connector.copy import (
+    CUDA_COPY,
     StreamCopies,
     can_check_while_copying,
+    device_slot_view,
     gather_blocks,
     gather_sealed,
     scatter_blocks,
@@ -80,7 +82,13 @@ from kvtier.connector.copy import (
 )
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import KvtierStats
-from kvtier.hostmem import PageWarmer, PinnedRegion, pin_host_memory, streaming_copies_line
+from kvtier.hostmem import (
+    PageWarmer,
+    PinnedRegion,
+    mapped_at_host_address,
+    pin_host_memory,
+    streaming_copies_line,
+)
 from kvtier.layout import KvLayout, LayoutKind
 from kvtier.tier.dram import DramTier, checksum, checksum_runs
 
@@ -251,21 +259,25 @@ class WorkerSide:
             raise err
         self._close_arena()
         self._tier = tier
-        if self._copies is not None:
-            self._pin(tier)
         region = tier._slots[:, self.rank * tier.rank_stride : self.rank * tier.rank_stride + tier.rank_bytes]
         self._slots = slot_matrix(region, self.layout)
+        if self._copies is not None:
+            self._pin(tier, self._slots)
         return True
 
-    def _pin(self, tier: DramTier) -> None:
+    def _pin(self, tier: DramTier, slots: torch.Tensor) -> None:
         """Register the arena as page-locked on a thread of its own: about 0.1 s
         a GB (a 160 GB node pool: 16 s), which on vLLM's thread would hold
         up the step that first maps the arena. Copies meanwhile go through
         pageable memory (correct, slower); a refusal's pending CUDA error
-        stays on that thread, never on vLLM's."""
+        stays on that thread, never on vLLM's. Once registered, and mapped
+        into the device's address space at the same addresses, the copies
+        of ``slots`` (this rank's slot matrix) become one kernel a layer
+        (copy.device_slot_view); else one DMA a block and layer."""
         data = tier._slots
         device = self._layers[0].device if self._layers else None
         ptr, size, unit = data.data_ptr(), data.numel(), tier.slot_stride
+        copies = self._copies
 
         def pin() -> None:
             if device is not None and device.type == "cuda":
@@ -274,9 +286,23 @@ class WorkerSide:
             if region is None:
                 log.warning("kvtier: the DRAM arena %s stays pageable (%s): device copies go through the "
                             "driver's bounce buffer and block vLLM's thread", tier.path, why)
-            else:
-                log.info("kvtier: the DRAM arena %s (%d MiB) is page-locked", tier.path, size >> 20)
+                self._pinned = region
+                return
             self._pinned = region
+            how = "one DMA per block and layer"
+            if copies is not None and CUDA_COPY == "mapped":
+                mapped, why = mapped_at_host_address(region)
+                try:
+                    if mapped:
+                        copies.map_slots(slots, device_slot_view(slots, device))
+                        how = "one kernel per layer"
+                except Exception as err:  # noqa: BLE001 - the DMA path works without it
+                    why = str(err)
+                if why:
+                    log.warning("kvtier: device copies of the arena %s stay %s (not mapped: %s)", tier.path,
+                                how, why)
+            log.info("kvtier: the DRAM arena %s (%d MiB) is page-locked; device copies: %s", tier.path,
+                     size >> 20, how)
 
         self._pinning = threading.Thread(target=pin, name="kvtier-pin", daemon=True)
         self._pinning.start()
@@ -289,6 +315,8 @@ class WorkerSide:
         if self._pinning is not None:
             self._pinning.join()  # the registration must end before the memory is unmapped
             self._pinning = None
+        if self._copies is not None:
+            self._copies.map_slots(None)  # (synchronized above: no kernel reads the mapping any more)
         if self._pinned is not None:
             self._pinned.release()
             self._pinned = None
