@@ -38,6 +38,7 @@ import uuid
 
 import torch
 
+import kvtier.connector.copy as copy_module
 from kvtier.connector.copy import StreamCopies, device_slot_view, gather_blocks, slot_matrix
 from kvtier.hostmem import mapped_at_host_address, pin_host_memory
 from kvtier.layout import KvLayout, LayoutKind
@@ -200,6 +201,7 @@ def bandwidth(folder: str, blocks: int) -> dict[str, float]:
             best = min(best, time.perf_counter() - t0)
             host = min(host, t1 - t0)
         out[name] = nbytes / best / 1e9
+        out[name + "_ms"] = best * 1e3
         out[name + "_host_ms"] = host * 1e3
 
     for path in ("dma", "kernel"):
@@ -219,8 +221,13 @@ def bandwidth(folder: str, blocks: int) -> dict[str, float]:
             copies.wait_loads()
             return done
 
-        timed(save, f"{path}_d2h")
-        timed(load, f"{path}_h2d")
+        # (Measured as it is, also for fewer blocks than copy.KERNEL_MIN_BLOCKS.)
+        floor, copy_module.KERNEL_MIN_BLOCKS = copy_module.KERNEL_MIN_BLOCKS, 1 if path == "kernel" else 1 << 30
+        try:
+            timed(save, f"{path}_d2h")
+            timed(load, f"{path}_h2d")
+        finally:
+            copy_module.KERNEL_MIN_BLOCKS = floor
         copies.map_slots(None)
         copies.close()
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -232,6 +239,59 @@ def bandwidth(folder: str, blocks: int) -> dict[str, float]:
         pinned.release()
     tier.close()
     return out
+
+
+def large_arena(folder: str, gib: int) -> str:
+    """Blocks at both ends of a ``gib`` GiB arena, registered in parts of
+    8 GiB, through the kernel path: a slot matrix whose offsets pass 2**31
+    elements (64-bit index arithmetic in the kernels) and a mapping made of
+    several registrations. '' when every round trip is bit-exact, else why not."""
+    layers, block_tokens, heads, head, num_blocks = 32, 16, 8, 128, 8
+    kv = {f"l{i}": random_bits((num_blocks, heads, block_tokens, 2 * head), torch.bfloat16, "cuda", 50 + i)
+          for i in range(layers)}
+    layout = KvLayout.from_kv_caches(kv, num_blocks, block_tokens=block_tokens)
+    bm = [layout.block_major(kv[n]) for n in layout.layer_names]
+    original = [t.clone() for t in bm]
+    path = os.path.join(folder, f"kvtier-gpu-check-{uuid.uuid4().hex}")
+    tier = DramTier.create(path, gib << 30, layout.block_bytes)
+    try:
+        pinned, why = pin_host_memory(tier._slots.data_ptr(), tier._slots.numel(), chunk_bytes=8 << 30,
+                                      unit=tier.slot_stride)
+        if pinned is None:
+            return f"large arena: not pinned ({why})"
+        try:
+            ok, why = mapped_at_host_address(pinned)
+            if not ok:
+                return f"large arena: not mapped ({why})"
+            slots = slot_matrix(tier._slots[:, : tier.rank_bytes], layout)
+            copies = StreamCopies(torch.device("cuda"))
+            copies.map_slots(slots, device_slot_view(slots, torch.device("cuda")))
+            n = slots.shape[0]
+            slot_ids, blocks = [0, 1, n // 2, n - 2, n - 1], [4, 0, 7, 2, 5]
+            for i, t in enumerate(bm):
+                copies.save_layer(i, t, layout, blocks, slots, slot_ids)
+            copies.end_saves().synchronize()
+            for b, s in zip(blocks, slot_ids):
+                for i, t in enumerate(bm):
+                    want = t[b].cpu().view(torch.uint8).reshape(-1)
+                    if not torch.equal(slots[s, i, : layout.layer_block_bytes], want):
+                        return f"large arena: slot {s} of {n} layer {i} differs from block {b}"
+            for t in bm:
+                t.zero_()
+            copies.load(bm, layout, [1, 2, 3, 6, 7], slots, slot_ids)
+            copies.wait_loads()
+            torch.cuda.synchronize()
+            for i, (t, o) in enumerate(zip(bm, original)):
+                if not torch.equal(t[[1, 2, 3, 6, 7]].view(torch.int16), o[blocks].view(torch.int16)):
+                    return f"large arena: layer {i} differs after the round trip"
+            copies.map_slots(None)
+            copies.close()
+            print(f"  large arena {gib} GiB ({n} slots, {len(pinned.parts)} registrations): round trip at both ends ok")
+            return ""
+        finally:
+            pinned.release()
+    finally:
+        tier.close()
 
 
 def e2e() -> str:
@@ -288,6 +348,9 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=256, help="blocks per bandwidth run (2 MiB each)")
     ap.add_argument("--e2e", action="store_true", help="also serve a test model with vLLM (CUDA build) and kvtier")
     ap.add_argument("--no-tests", action="store_true", help="skip tests/cuda")
+    ap.add_argument("--large-arena", type=int, default=0, metavar="GIB",
+                    help="also round-trip blocks at both ends of an arena of GIB GiB (24 or more passes 2**31 "
+                         "elements; needs that much free memory in --shm-dir)")
     ap.add_argument("--shm-dir", default="/dev/shm")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -297,6 +360,14 @@ def main() -> int:
     print(f"torch {torch.__version__} CUDA {torch.version.cuda} on {torch.cuda.get_device_name()}")
     folder = args.shm_dir if os.path.isdir(args.shm_dir) else tempfile.gettempdir()
     failures, passed, tried = round_trips(folder)
+    for n in (1, 16, 128):  # a decode step's save, a short prompt's, a 2k-token prompt's
+        small = bandwidth(folder, n)
+        line = []
+        for path in ("dma", "kernel"):
+            if f"{path}_d2h" in small:
+                line.append(f"{path} save {small[f'{path}_d2h_ms']:.2f} ms (host {small[f'{path}_d2h_host_ms']:.2f}), "
+                            f"load {small[f'{path}_h2d_ms']:.2f} ms (host {small[f'{path}_h2d_host_ms']:.2f})")
+        print(f"  {n:>3} blocks x 32 layers: " + "; ".join(line))
     bw = bandwidth(folder, args.blocks)
     summary = []
     for path in ("dma", "kernel"):
@@ -308,6 +379,11 @@ def main() -> int:
                   f"host thread {bw[f'{path}_{way}_host_ms']:.2f} ms for {args.blocks} blocks x 32 layers")
             summary.append(f"{way.upper()} {path} {got:.1f} GB/s = {got / base:.2f}x")
     notes = []
+    if args.large_arena:
+        why = large_arena(folder, args.large_arena)
+        notes.append(why or f"large arena {args.large_arena} GiB ok")
+        if why:
+            failures.append(why)
     if not args.no_tests:
         why = run_tests(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         notes.append(why or "tests/cuda passed")

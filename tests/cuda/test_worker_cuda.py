@@ -201,25 +201,36 @@ def test_the_next_step_writes_a_block_only_after_the_saves_read_it(rig) -> None:
             assert torch.equal(slots[c.slot, i, : rig.layout.layer_block_bytes], want), (c, i)
 
 
-def test_a_layer_is_read_only_after_its_load_and_the_load_after_earlier_writes(rig) -> None:
-    """Loads held back on their stream: the forward waits for each layer's
-    load; and a write vLLM queued before the step (held back too) lands
-    before the load, not over it."""
+def test_a_layer_is_read_only_after_its_load(rig) -> None:
+    """Loads held back on their stream: the forward (vLLM's stream) reads
+    each layer only once that layer's load has landed."""
     part = rig.seal_for_load(3, KEYS[5], fill=0x3F)  # bf16 0x3F3F: 0.7461
-    torch.cuda._sleep(HOLD)
-    for t in rig.bm:
-        t[20] = 5.0  # an earlier step's write to block 20, still queued
     with torch.cuda.stream(rig.worker._copies.stream):
         torch.cuda._sleep(HOLD)
     seen = []
     errors, _ = rig.step(rig.plan(loads=[BlockCopy(20, 3, KEYS[5])]),
                          forward=lambda i: seen.append(rig.bm[i][20].clone()))
     torch.cuda.synchronize()
-    assert errors == set()
+    assert errors == set() and len(seen) == LAYERS
     want = part[: rig.layout.layer_block_bytes].view(torch.bfloat16)[0].item()
     for i, block in enumerate(seen):
         assert torch.all(block == want), i
-        assert torch.all(rig.bm[i][20] == want)
+    rig.settle()
+
+
+def test_a_load_lands_after_the_writes_vllm_queued_before_it(rig) -> None:
+    """vLLM's stream held back, then a write to the block (an earlier step's
+    work, still queued): the load into that block lands after it, not under it."""
+    part = rig.seal_for_load(3, KEYS[5], fill=0x3F)
+    torch.cuda._sleep(HOLD)
+    for t in rig.bm:
+        t[20] = 5.0
+    errors, _ = rig.step(rig.plan(loads=[BlockCopy(20, 3, KEYS[5])]))
+    torch.cuda.synchronize()
+    assert errors == set()
+    want = part[: rig.layout.layer_block_bytes].view(torch.bfloat16)[0].item()
+    for t in rig.bm:
+        assert torch.all(t[20] == want)
     rig.settle()
 
 
@@ -285,7 +296,7 @@ def test_ids_outside_the_kv_or_the_arena_are_refused_before_a_kernel_runs(rig, p
     with pytest.raises(ValueError, match="block 96 is outside"):
         copies.save_layer(0, rig.bm[0], rig.layout, [1, NUM_BLOCKS], slots, [0, 1])
     with pytest.raises(ValueError, match="slot -1 is outside"):
-        copies.load(rig.bm, rig.layout, [1], slots, [-1])
+        copies.load(rig.bm, rig.layout, [1, 2], slots, [0, -1])
     torch.cuda.synchronize()  # the context is intact: no device-side assert
-    copies.save_layer(0, rig.bm[0], rig.layout, [1], slots, [0])
+    copies.save_layer(0, rig.bm[0], rig.layout, [1, 2], slots, [0, 1])
     torch.cuda.synchronize()

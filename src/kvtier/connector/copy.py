@@ -44,6 +44,12 @@ _MEMMOVE = os.environ.get("KVTIER_COPY", "memmove") == "memmove"
 # CUDA: "mapped" (kernels over the mapped arena once it is registered; see
 # device_slot_view) or "blocks" (one DMA per block and layer, always).
 CUDA_COPY = "blocks" if os.environ.get("KVTIER_CUDA_COPY", "mapped") == "blocks" else "mapped"
+# Fewer blocks than this go by DMA even over a mapped arena: the kernels'
+# host cost is per layer (~55 us a save, ~41 us a load on an H200 host),
+# the DMAs' ~23 us a layer and ~15 us a block: one block is quicker by DMA
+# (38 and 28 us a layer), two about even, more by kernel
+# (docs/benchmarks.md, "CUDA copy path").
+KERNEL_MIN_BLOCKS = 2
 
 from kvtier.layout import KvLayout, block_run
 
@@ -290,9 +296,10 @@ class StreamCopies:
     def mapped(self) -> bool:
         return self._mapped is not None
 
-    def _view(self, slots: torch.Tensor) -> torch.Tensor | None:
+    def _view(self, slots: torch.Tensor, n: int) -> torch.Tensor | None:
+        """The device view to copy ``n`` blocks of ``slots`` through, or None (one DMA per block)."""
         m = self._mapped
-        if m is None or m[0].data_ptr() != slots.data_ptr() or m[0].shape != slots.shape:
+        if n < KERNEL_MIN_BLOCKS or m is None or m[0].data_ptr() != slots.data_ptr() or m[0].shape != slots.shape:
             return None
         return m[1]
 
@@ -322,7 +329,7 @@ class StreamCopies:
         # The blocks were allocated for this step; work vLLM queued before
         # (earlier steps) may still use them.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        view = self._view(slots)
+        view = self._view(slots, len(block_ids))
         with torch.cuda.stream(self.stream):
             if view is not None:
                 b_idx, s_idx = self._indices(block_ids, slot_ids, layers[0].shape[0], view.shape[0])
@@ -352,7 +359,7 @@ class StreamCopies:
     def save_layer(self, index: int, bm: torch.Tensor, layout: KvLayout, block_ids: Sequence[int],
                    slots: torch.Tensor, slot_ids: Sequence[int]) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        view = self._view(slots)
+        view = self._view(slots, len(block_ids))
         with torch.cuda.stream(self.stream):
             if view is not None:
                 b_idx, s_idx = self._indices(block_ids, slot_ids, bm.shape[0], view.shape[0])
@@ -371,9 +378,9 @@ class StreamCopies:
 
 # --- device kernels over the mapped arena (CUDA) ----------------------------------
 #
-# One copy_ per block and layer costs the host ~10 us of Python and a DMA
-# launch each: a 64k-token save of an 8B-class model is 4,096 blocks x 32
-# layers, ~1.3 s of vLLM's thread. With the arena page-locked and mapped
+# One copy_ per block and layer costs the host ~15 us of Python and a DMA
+# launch each (an H200 host): a 64k-token save of an 8B-class model is
+# 4,096 blocks x 32 layers, ~2 s of vLLM's thread, at 3-5 GB/s. With the arena page-locked and mapped
 # into the device's address space at its own addresses (hostmem.
 # mapped_at_host_address), the slots are also a CUDA tensor, and one
 # index_copy_ per layer moves all of a step's blocks of that layer: the
