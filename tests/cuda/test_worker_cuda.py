@@ -53,6 +53,21 @@ def kind(request) -> LayoutKind:
     return request.param
 
 
+def run_step(w: WorkerSide, plan: StepPlan, forward=None):  # noqa: ANN001
+    """One engine step as vLLM's runner calls the worker: loads, then per
+    layer wait for its load, ``forward(i)`` (the attention that writes the
+    layer's KV) and its saves; returns (load errors, report)."""
+    w.start_load_kv(plan)
+    for i, name in enumerate(w.layout.layer_names):
+        w.wait_for_layer_load(name)
+        if forward is not None:
+            forward(i)
+        w.save_kv_layer(name, plan)
+    w.wait_for_save(plan)
+    errors = w.get_block_ids_with_load_errors()
+    return errors, w.build_report()
+
+
 class Rig:
     """A worker on the GPU, its KV and an arena, stepped as vLLM's runner steps it."""
 
@@ -75,20 +90,8 @@ class Rig:
         self.step_no += 1
         return StepPlan(step=self.step_no, arena=self.tier.path, loads=list(loads), saves=list(saves))
 
-    def step(self, plan: StepPlan, forward=None):
-        """One step: loads, then per layer wait for its load, ``forward(i)``
-        (the attention that writes the layer's KV) and its saves; returns
-        (load errors, report)."""
-        w = self.worker
-        w.start_load_kv(plan)
-        for i, name in enumerate(self.layout.layer_names):
-            w.wait_for_layer_load(name)
-            if forward is not None:
-                forward(i)
-            w.save_kv_layer(name, plan)
-        w.wait_for_save(plan)
-        errors = w.get_block_ids_with_load_errors()
-        return errors, w.build_report()
+    def step(self, plan: StepPlan, forward=None):  # noqa: ANN001
+        return run_step(self.worker, plan, forward)
 
     def settle(self) -> tuple[set[int], list[int]]:
         """Empty steps until every held report is out (the copies done):
@@ -300,3 +303,50 @@ def test_ids_outside_the_kv_or_the_arena_are_refused_before_a_kernel_runs(rig, p
     torch.cuda.synchronize()  # the context is intact: no device-side assert
     copies.save_layer(0, rig.bm[0], rig.layout, [1, 2], slots, [0, 1])
     torch.cuda.synchronize()
+
+
+def test_two_ranks_save_their_parts_of_each_slot_and_load_them_back(shm_path, path) -> None:
+    """Tensor parallelism on one device: two workers (ranks 0 and 1, KV of
+    their own) map one arena of two ranks; each writes and reads its own
+    part of the same slots."""
+    kind = LayoutKind.BLOCKS_FIRST
+    workers = []
+    for rank in range(2):
+        w = WorkerSide(rank=rank, num_blocks=NUM_BLOCKS, kind=kind, block_tokens=TOKENS)
+        w.register_kv_caches(random_kv(kind, seed=10 + rank))
+        workers.append(w)
+    block = workers[0].layout.block_bytes
+    tier = DramTier.create(shm_path, (2 * block + 8192) * 8 + (1 << 20), block, ranks=2)
+    try:
+        for w in workers:
+            assert w._attach(tier.path)
+            w._pinning.join()
+            assert w._copies.mapped is (path == "mapped")
+        saves = [BlockCopy(5, 1, KEYS[0]), BlockCopy(6, 2, KEYS[1]), BlockCopy(9, 3, KEYS[2])]
+        first = [run_step(w, StepPlan(step=1, arena=tier.path, saves=saves))[1] for w in workers]
+        torch.cuda.synchronize()
+        for w, early in zip(workers, first):
+            _, later = run_step(w, StepPlan(step=2, arena=tier.path))
+            report = early or later  # out at once if the copies were done by then, else with step 2
+            assert report is not None and 1 in report.done and report.failed_slots == []
+        for c in saves:
+            assert tier.verify(c.slot, c.key, 0) and tier.verify(c.slot, c.key, 1)
+            tier.publish(c.slot)
+        originals = [[bits(t).clone() for t in w._layers] for w in workers]
+        into = [40, 41, 42]
+        for w in workers:
+            for t in w._layers:
+                t[into] = 0
+        loads = [BlockCopy(b, c.slot, c.key) for b, c in zip(into, saves)]
+        for w in workers:
+            errors, _ = run_step(w, StepPlan(step=3, arena=tier.path, loads=loads))
+            assert errors == set()
+        torch.cuda.synchronize()
+        for w, before in zip(workers, originals):
+            for t, o in zip(w._layers, before):
+                assert torch.equal(bits(t)[into], o[[5, 6, 9]])
+        assert not torch.equal(bits(workers[0]._layers[0])[40], bits(workers[1]._layers[0])[40])  # parts of their own
+    finally:
+        for w in workers:
+            w.shutdown()
+        tier.close()

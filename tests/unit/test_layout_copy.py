@@ -485,15 +485,17 @@ def test_the_kernel_path_writes_and_reads_the_per_block_path_s_bytes(make_tier, 
     layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS, block_tokens=block_tokens)
     bm = [layout.block_major(kv[n]) for n in layout.layer_names]
     originals = [bits(t).clone() for t in bm]
-    tier = make_tier(capacity_for(8, layout.block_bytes), layout.block_bytes)
-    slots = rank_slots(tier, 0, layout)
+    tier = make_tier(capacity_for(8, layout.block_bytes, ranks=2), layout.block_bytes, ranks=2)
+    slots = rank_slots(tier, 1, layout)  # the second rank's part of each slot: offsets must be right
     blocks, by_blocks, by_kernel = [5, 0, 7, 2], [0, 1, 2, 3], [6, 4, 7, 5]
     gather_blocks(bm, layout, blocks, slots, by_blocks)
     b_idx, s_idx = torch.tensor(blocks), torch.tensor(by_kernel)
     for i, t in enumerate(bm):
         indexed_gather(t, layout, b_idx, slots, s_idx, i)
     for a, b in zip(by_blocks, by_kernel):
-        assert torch.equal(tier.rank_view(a), tier.rank_view(b)), (a, b)
+        assert torch.equal(tier.rank_view(a, 1), tier.rank_view(b, 1)), (a, b)
+    for s in range(8):
+        assert torch.all(tier.rank_view(s, 0) == 0)  # rank 0's parts untouched
     for t in bm:
         t[blocks] = 0
     # Loaded by the kernel path into other blocks too: 5's bytes into 1, 2's into 6.
