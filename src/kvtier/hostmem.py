@@ -279,14 +279,16 @@ def drain_cuda_errors(maps_path: str = "/proc/self/maps") -> int:
 
 
 def pin_host_memory(ptr: int, size_bytes: int, cudart=None, chunk_bytes: int = PIN_CHUNK_BYTES,
-                    unit: int = 4096) -> tuple[PinnedRegion | None, str]:
+                    unit: int = 4096, mapped: bool = True) -> tuple[PinnedRegion | None, str]:
     """Register ``size_bytes`` at ``ptr`` as page-locked memory, in parts of
     at most ``chunk_bytes`` that are whole multiples of ``unit`` (the arena's
     slot stride: no slot, so no block copy, spans two registrations, which
     could make that copy synchronous): (region, "") or (None, why).
 
     ``cudart`` is torch's CUDA runtime binding (``torch.cuda.cudart()``),
-    given by tests that stand in for the driver. Registration fails on a
+    given by tests that stand in for the driver. ``mapped``: also map it
+    into the devices' address space (copy.device_slot_view's kernels read
+    and write it there). Registration fails on a
     low ``ulimit -l`` or a container's locked-memory limit, or without a
     CUDA runtime; the parts registered are then unregistered, the pending
     CUDA error is consumed (:func:`drain_cuda_errors`), and the caller
@@ -302,12 +304,13 @@ def pin_host_memory(ptr: int, size_bytes: int, cudart=None, chunk_bytes: int = P
             return None, f"no CUDA runtime ({err})"
     unit = max(4096, unit)
     chunk = max(unit, chunk_bytes // unit * unit)
+    flags = _HOST_REGISTER_PORTABLE | (_HOST_REGISTER_MAPPED if mapped else 0)
     parts: list[int] = []
     why = ""
     for start in range(0, size_bytes, chunk):
         n = min(chunk, size_bytes - start)
         try:
-            code = cudart.cudaHostRegister(ptr + start, n, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)
+            code = cudart.cudaHostRegister(ptr + start, n, flags)
         except Exception as err:  # noqa: BLE001 - a binding that raises instead of returning a code
             why = f"cudaHostRegister raised {err}"
             break

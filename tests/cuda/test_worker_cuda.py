@@ -192,7 +192,7 @@ def test_the_next_step_writes_a_block_only_after_the_saves_read_it(rig) -> None:
         torch.cuda._sleep(HOLD)
     rig.step(rig.plan(saves=saves))
     for t in rig.bm:  # the next step's forward, on vLLM's stream
-        t[[9, 10]] = 3.0
+        t[9:11] = 3.0
     assert rig.settle()[1] == []
     slots = slot_matrix(rig.tier._slots[:, : rig.tier.rank_bytes], rig.layout)
     for c, row in zip(saves, range(2)):
@@ -204,50 +204,57 @@ def test_the_next_step_writes_a_block_only_after_the_saves_read_it(rig) -> None:
             assert torch.equal(slots[c.slot, i, : rig.layout.layer_block_bytes], want), (c, i)
 
 
+# Two blocks or more in each step below: a single block goes by DMA on both
+# paths (copy.KERNEL_MIN_BLOCKS), and these must run the kernels too. While
+# a stream is held back, blocks are named by slices, never by lists: a list
+# index is copied to the device by a copy that waits for the held stream.
+
+
 def test_a_layer_is_read_only_after_its_load(rig) -> None:
     """Loads held back on their stream: the forward (vLLM's stream) reads
     each layer only once that layer's load has landed."""
-    part = rig.seal_for_load(3, KEYS[5], fill=0x3F)  # bf16 0x3F3F: 0.7461
+    parts = [rig.seal_for_load(3, KEYS[5], fill=0x3F), rig.seal_for_load(4, KEYS[6], fill=0x40)]
     with torch.cuda.stream(rig.worker._copies.stream):
         torch.cuda._sleep(HOLD)
     seen = []
-    errors, _ = rig.step(rig.plan(loads=[BlockCopy(20, 3, KEYS[5])]),
-                         forward=lambda i: seen.append(rig.bm[i][20].clone()))
+    errors, _ = rig.step(rig.plan(loads=[BlockCopy(20, 3, KEYS[5]), BlockCopy(21, 4, KEYS[6])]),
+                         forward=lambda i: seen.append(rig.bm[i][20:22].clone()))
     torch.cuda.synchronize()
     assert errors == set() and len(seen) == LAYERS
-    want = part[: rig.layout.layer_block_bytes].view(torch.bfloat16)[0].item()
-    for i, block in enumerate(seen):
-        assert torch.all(block == want), i
+    want = [p[: rig.layout.layer_block_bytes].view(torch.bfloat16)[0].item() for p in parts]  # 0.7461, 3.0
+    for i, blocks in enumerate(seen):
+        assert torch.all(blocks[0] == want[0]) and torch.all(blocks[1] == want[1]), i
     rig.settle()
 
 
 def test_a_load_lands_after_the_writes_vllm_queued_before_it(rig) -> None:
-    """vLLM's stream held back, then a write to the block (an earlier step's
-    work, still queued): the load into that block lands after it, not under it."""
-    part = rig.seal_for_load(3, KEYS[5], fill=0x3F)
+    """vLLM's stream held back, then a write to the blocks (an earlier step's
+    work, still queued): the load into them lands after it, not under it."""
+    parts = [rig.seal_for_load(3, KEYS[5], fill=0x3F), rig.seal_for_load(4, KEYS[6], fill=0x40)]
     torch.cuda._sleep(HOLD)
     for t in rig.bm:
-        t[20] = 5.0
-    errors, _ = rig.step(rig.plan(loads=[BlockCopy(20, 3, KEYS[5])]))
+        t[20:22] = 5.0
+    errors, _ = rig.step(rig.plan(loads=[BlockCopy(20, 3, KEYS[5]), BlockCopy(21, 4, KEYS[6])]))
     torch.cuda.synchronize()
     assert errors == set()
-    want = part[: rig.layout.layer_block_bytes].view(torch.bfloat16)[0].item()
+    want = [p[: rig.layout.layer_block_bytes].view(torch.bfloat16)[0].item() for p in parts]
     for t in rig.bm:
-        assert torch.all(t[20] == want)
+        assert torch.all(t[20] == want[0]) and torch.all(t[21] == want[1])
     rig.settle()
 
 
 @pytest.mark.parametrize("refill", [KEYS[1], KEYS[0]], ids=["another key", "the same key"])
 def test_a_slot_reused_before_its_dma_ran_is_a_load_error(rig, refill: bytes) -> None:
     rig.seal_for_load(6, KEYS[0], fill=1)
+    rig.seal_for_load(8, KEYS[7], fill=3)
     with torch.cuda.stream(rig.worker._copies.stream):
-        torch.cuda._sleep(HOLD)  # the DMA runs late
+        torch.cuda._sleep(HOLD)  # the copies run late
     w = rig.worker
-    w.start_load_kv(rig.plan(loads=[BlockCopy(30, 6, KEYS[0])]))
+    w.start_load_kv(rig.plan(loads=[BlockCopy(30, 6, KEYS[0]), BlockCopy(32, 8, KEYS[7])]))
     rig.seal_for_load(6, refill, fill=2)  # the pin lost, the slot given to another save meanwhile
     for name in rig.layout.layer_names:
         w.wait_for_layer_load(name)
-    assert w.get_block_ids_with_load_errors() == {30}
+    assert w.get_block_ids_with_load_errors() == {30}  # block 32's slot was left alone
     assert w._report.corrupt_keys == []  # reused, not corrupt
     w.build_report()
     rig.settle()
@@ -255,9 +262,10 @@ def test_a_slot_reused_before_its_dma_ran_is_a_load_error(rig, refill: bytes) ->
 
 def test_a_slot_whose_bytes_changed_after_its_seal_is_corrupt(rig) -> None:
     rig.seal_for_load(7, KEYS[3], fill=4)
+    rig.seal_for_load(9, KEYS[8], fill=6)
     rig.tier.rank_view(7, 0)[100] = 5  # a flipped byte: same header, other bytes
     w = rig.worker
-    w.start_load_kv(rig.plan(loads=[BlockCopy(31, 7, KEYS[3])]))
+    w.start_load_kv(rig.plan(loads=[BlockCopy(31, 7, KEYS[3]), BlockCopy(33, 9, KEYS[8])]))
     for name in rig.layout.layer_names:
         w.wait_for_layer_load(name)
     assert w.get_block_ids_with_load_errors() == {31}
@@ -269,11 +277,12 @@ def test_a_slot_whose_bytes_changed_after_its_seal_is_corrupt(rig) -> None:
 def test_a_new_arena_is_mapped_and_the_old_released_with_copies_in_flight(rig, shm_path, path) -> None:
     with torch.cuda.stream(rig.worker._copies.stream):
         torch.cuda._sleep(HOLD)
-    rig.step(rig.plan(saves=[BlockCopy(1, 0, KEYS[0])]))  # queued behind the hold
+    rig.step(rig.plan(saves=[BlockCopy(1, 0, KEYS[0]), BlockCopy(3, 2, KEYS[2])]))  # queued behind the hold
     new = DramTier.create(shm_path + "-new", (rig.layout.block_bytes + 8192) * 8 + (1 << 20),
                           rig.layout.block_bytes)
     try:
-        plan = StepPlan(step=rig.step_no + 1, arena=new.path, saves=[BlockCopy(2, 1, KEYS[1])])
+        plan = StepPlan(step=rig.step_no + 1, arena=new.path,
+                        saves=[BlockCopy(2, 1, KEYS[1]), BlockCopy(4, 3, KEYS[3])])
         rig.step_no += 1
         _, report = rig.step(plan)  # maps the new arena: the old one's copies end before it is released
         rig.worker._pinning.join()
@@ -283,8 +292,8 @@ def test_a_new_arena_is_mapped_and_the_old_released_with_copies_in_flight(rig, s
         if report is not None:
             done |= set(report.done)
             failed = report.failed_slots + failed
-        assert failed == [0] and {1, 2} <= done  # step 1's save into the old arena failed, step 2's holds
-        assert new.verify(1, KEYS[1], 0)
+        assert failed == [0, 2] and {1, 2} <= done  # step 1's saves into the old arena failed, step 2's hold
+        assert new.verify(1, KEYS[1], 0) and new.verify(3, KEYS[3], 0)
         assert not old.is_sealed(0, KEYS[0])  # its step's saves fail: another arena is mapped
         old.close()
     finally:

@@ -297,10 +297,12 @@ def test_saves_queued_into_an_arena_left_behind_are_not_sealed_in_the_next(devic
         assert step(w, StepPlan(step=3, arena=new.path)).failed_slots == []  # the new arena's own saves hold
         assert new.verify(1, KEY_B, 0)
     finally:
-        w._close_arena()
-        new.close()
-        if os.path.exists(shm_path + "-new"):
-            os.unlink(shm_path + "-new")
+        try:
+            w._close_arena()
+        finally:  # the new arena goes even if the worker's close fails
+            new.close()
+            if os.path.exists(shm_path + "-new"):
+                os.unlink(shm_path + "-new")
 
 
 def test_with_microbatches_a_steps_saves_are_queued_after_the_forward(make_tier, capacity_for) -> None:
@@ -335,8 +337,8 @@ def test_the_arena_is_pinned_beside_the_step_and_released_after_it(device_worker
         def release(self) -> None:
             released.append(True)
 
-    def slow_pin(ptr: int, size: int, unit: int):
-        calls.append((ptr, size, unit))
+    def slow_pin(ptr: int, size: int, unit: int, mapped: bool):
+        calls.append((ptr, size, unit, mapped))
         may_finish.wait(30)
         return Region(), ""
 
@@ -344,8 +346,8 @@ def test_the_arena_is_pinned_beside_the_step_and_released_after_it(device_worker
     plan = StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)])
     assert step(w, plan) is None  # the step ran while the registration is under way
     assert stream.saved_layers == [0, 1] and w._pinned is None
-    # The worker's own mapping, registered in parts of whole slots.
-    assert calls == [(w._tier._slots.data_ptr(), w._tier._slots.numel(), w._tier.slot_stride)]
+    # The worker's own mapping, registered in parts of whole slots, mapped for the copy kernels.
+    assert calls == [(w._tier._slots.data_ptr(), w._tier._slots.numel(), w._tier.slot_stride, True)]
     closer = threading.Thread(target=w._close_arena)
     closer.start()
     closer.join(0.5)

@@ -137,6 +137,14 @@ def test_pinning_registers_the_region_and_releases_it_once() -> None:
     assert driver.unregistered == [0x7F0000000000]
 
 
+def test_with_the_dma_copies_alone_the_region_is_not_mapped_into_the_device() -> None:
+    from kvtier.hostmem import pin_host_memory
+
+    driver = _Driver()
+    region, _ = pin_host_memory(0x7F0000000000, 1 << 20, cudart=driver, mapped=False)  # KVTIER_CUDA_COPY=blocks
+    assert region is not None and driver.registered == [(0x7F0000000000, 1 << 20, 1)]
+
+
 def test_a_refused_registration_says_why_and_pins_nothing() -> None:
     from kvtier.hostmem import pin_host_memory
 

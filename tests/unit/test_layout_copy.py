@@ -477,9 +477,17 @@ def _layouts_for_kernels() -> dict[str, tuple[dict[str, torch.Tensor], int | Non
     return out
 
 
+@pytest.mark.parametrize("chunk", [None, 3], ids=["one-chunk", "chunks-of-3-blocks"])
 @pytest.mark.parametrize("name", ["cpu", "flash", "heads-inner", "gaps", "kernel-blocks"])
-def test_the_kernel_path_writes_and_reads_the_per_block_path_s_bytes(make_tier, capacity_for, name: str) -> None:
-    from kvtier.connector.copy import indexed_gather, indexed_scatter
+def test_the_kernel_path_writes_and_reads_the_per_block_path_s_bytes(make_tier, capacity_for, name: str,
+                                                                    chunk: int | None) -> None:
+    from kvtier.connector import copy as copy_module
+
+    def indexed_gather(*args) -> None:  # noqa: ANN002 - the copy module's, in chunks of ``chunk`` blocks
+        copy_module.indexed_gather(*args, max_bytes=chunk * layout.layer_block_bytes if chunk else 1 << 30)
+
+    def indexed_scatter(*args) -> None:  # noqa: ANN002
+        copy_module.indexed_scatter(*args, max_bytes=chunk * layout.layer_block_bytes if chunk else 1 << 30)
 
     kv, block_tokens = _layouts_for_kernels()[name]
     layout = KvLayout.from_kv_caches(kv, NUM_BLOCKS, block_tokens=block_tokens)

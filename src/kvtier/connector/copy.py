@@ -46,9 +46,9 @@ _MEMMOVE = os.environ.get("KVTIER_COPY", "memmove") == "memmove"
 CUDA_COPY = "blocks" if os.environ.get("KVTIER_CUDA_COPY", "mapped") == "blocks" else "mapped"
 # Fewer blocks than this go by DMA even over a mapped arena: the kernels'
 # host cost is per layer (~55 us a save, ~41 us a load on an H200 host),
-# the DMAs' ~23 us a layer and ~15 us a block: one block is quicker by DMA
-# (38 and 28 us a layer), two about even, more by kernel
-# (docs/benchmarks.md, "CUDA copy path").
+# the DMAs' ~15 us a block plus ~23 us (saves) or ~13 us (loads) a layer:
+# one block is quicker by DMA (38 and 28 us a layer), two about even, more
+# by kernel (docs/benchmarks.md, "CUDA copy path").
 KERNEL_MIN_BLOCKS = 2
 
 from kvtier.layout import KvLayout, block_run
@@ -380,13 +380,14 @@ class StreamCopies:
 #
 # One copy_ per block and layer costs the host ~15 us of Python and a DMA
 # launch each (an H200 host): a 64k-token save of an 8B-class model is
-# 4,096 blocks x 32 layers, ~2 s of vLLM's thread, at 3-5 GB/s. With the arena page-locked and mapped
-# into the device's address space at its own addresses (hostmem.
-# mapped_at_host_address), the slots are also a CUDA tensor, and one
-# index_copy_ per layer moves all of a step's blocks of that layer: the
-# kernel reads or writes host memory over the bus, the host launches
-# three kernels a layer whatever the number of blocks. The bytes written
-# are the same as the per-block path's (tests/unit/test_layout_copy.py).
+# 4,096 blocks x 32 layers, ~2 s of vLLM's thread, at 3-5 GB/s. With the
+# arena page-locked and mapped into the device's address space at its own
+# addresses (hostmem.mapped_at_host_address), the slots are also a CUDA
+# tensor, and one index_copy_ per layer moves a step's blocks of that
+# layer: the kernel reads or writes host memory over the bus, the host
+# launches two kernels a layer (per 64 MiB of blocks) whatever the number
+# of blocks. The bytes written are the same as the per-block path's
+# (tests/unit/test_layout_copy.py).
 
 
 class _CudaArrayInterface:
@@ -402,6 +403,14 @@ def device_slot_view(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
     host memory through it. Valid while the registration is."""
     span = 1 + sum((n - 1) * s for n, s in zip(slots.shape, slots.stride()) if n > 0)
     flat = torch.as_tensor(_CudaArrayInterface(slots.data_ptr(), span), device=device)
+    want = torch.device(device)
+    if want.index is None:
+        want = torch.device(want.type, torch.cuda.current_device())
+    if flat.data_ptr() != slots.data_ptr() or flat.device != want:
+        # A copy (the driver placed the memory on another device): saves
+        # would land in it and never in the arena.
+        raise RuntimeError(f"the arena's view on {device} is not the arena (at {flat.data_ptr():#x} on "
+                           f"{flat.device}, the arena at {slots.data_ptr():#x})")
     return flat.as_strided(slots.shape, slots.stride(), 0)
 
 
@@ -432,30 +441,48 @@ def checked_ids(ids: Sequence[int], limit: int, what: str) -> None:
         raise ValueError(f"{what} {bad} is outside [0, {limit})")
 
 
+# Device memory the kernel path's temporaries may take at once (a gather's
+# result before its index_copy_): it is outside what vLLM budgeted for its
+# own tensors, and the caching allocator keeps it once used. A 64k-token load
+# of an 8B-class model is 256 MiB a layer: four chunks.
+CHUNK_BYTES = 64 << 20
+
+
+def _chunks(n: int, row_bytes: int, max_bytes: int) -> Iterator[slice]:
+    per = max(1, max_bytes // max(1, row_bytes))
+    for start in range(0, n, per):
+        yield slice(start, min(n, start + per))
+
+
 def indexed_gather(bm: torch.Tensor, layout: KvLayout, block_idx: torch.Tensor, dslots: torch.Tensor,
-                   slot_idx: torch.Tensor, layer: int) -> None:
+                   slot_idx: torch.Tensor, layer: int, max_bytes: int = CHUNK_BYTES) -> None:
     """Copy blocks ``block_idx`` of one layer (block-major view ``bm``) into
     rows ``slot_idx`` of ``dslots`` (the slot matrix, on any device), layer
-    ``layer``: one gather and one index_copy_, the bytes :func:`gather_blocks` writes.
-    The indices are tensors of ``bm``'s device, checked by the caller."""
+    ``layer``: a gather and an index_copy_ per ``max_bytes`` of blocks, the
+    bytes :func:`gather_blocks` writes. The indices are tensors of ``bm``'s
+    device, checked by the caller."""
     nbytes = layout.layer_block_bytes
-    if layout.dense_blocks:
-        dst, rows = _words(dslots[:, layer, :nbytes], _block_rows(bm))
-        src = rows.index_select(0, block_idx)
-    else:  # the block in its view's order, as copy_ of the block writes it
-        src = bm.index_select(0, block_idx).reshape(len(block_idx), -1).view(torch.uint8)
-        dst, src = _words(dslots[:, layer, :nbytes], src)
-    dst.index_copy_(0, slot_idx, src)
+    for part in _chunks(len(block_idx), nbytes, max_bytes):
+        b_idx, s_idx = block_idx[part], slot_idx[part]
+        if layout.dense_blocks:
+            dst, rows = _words(dslots[:, layer, :nbytes], _block_rows(bm))
+            src = rows.index_select(0, b_idx)
+        else:  # the block in its view's order, as copy_ of the block writes it
+            src = bm.index_select(0, b_idx).reshape(len(b_idx), -1).view(torch.uint8)
+            dst, src = _words(dslots[:, layer, :nbytes], src)
+        dst.index_copy_(0, s_idx, src)
 
 
 def indexed_scatter(bm: torch.Tensor, layout: KvLayout, block_idx: torch.Tensor, dslots: torch.Tensor,
-                    slot_idx: torch.Tensor, layer: int) -> None:
+                    slot_idx: torch.Tensor, layer: int, max_bytes: int = CHUNK_BYTES) -> None:
     """The reverse of :func:`indexed_gather`: rows ``slot_idx`` into blocks ``block_idx``."""
     nbytes = layout.layer_block_bytes
-    if layout.dense_blocks:
-        src, rows = _words(dslots[:, layer, :nbytes], _block_rows(bm))
-        rows.index_copy_(0, block_idx, src.index_select(0, slot_idx))
-    else:
-        src = _words(dslots[:, layer, :nbytes])[0].index_select(0, slot_idx)
-        blocks = src.view(torch.uint8).view(layout.dtype).view(len(block_idx), *bm.shape[1:])
-        bm.index_copy_(0, block_idx, blocks)
+    for part in _chunks(len(block_idx), nbytes, max_bytes):
+        b_idx, s_idx = block_idx[part], slot_idx[part]
+        if layout.dense_blocks:
+            src, rows = _words(dslots[:, layer, :nbytes], _block_rows(bm))
+            rows.index_copy_(0, b_idx, src.index_select(0, s_idx))
+        else:
+            src = _words(dslots[:, layer, :nbytes])[0].index_select(0, s_idx)
+            blocks = src.view(torch.uint8).view(layout.dtype).view(len(b_idx), *bm.shape[1:])
+            bm.index_copy_(0, b_idx, blocks)

@@ -6,11 +6,13 @@ them); nothing here goes over kvtier's wire.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
-try:
+if importlib.util.find_spec("vllm") is not None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-except ImportError:  # the worker's copy path without vLLM installed (tests/cuda, bench/gpu_check.py)
+else:  # the worker's copy path without vLLM installed (tests/cuda, bench/gpu_check.py); a vLLM
+    # that is installed but lacks these names fails here, as before
 
     class KVConnectorMetadata:  # type: ignore[no-redef]
         """vLLM's marker base class, where vLLM is not installed."""

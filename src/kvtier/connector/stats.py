@@ -10,12 +10,14 @@ Transfer metrics: ..." and feeds :class:`KvtierPromMetrics`, which exports
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-try:
+if importlib.util.find_spec("vllm") is not None:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-except ImportError:  # the worker's copy path without vLLM installed (tests/cuda, bench/gpu_check.py)
+else:  # the worker's copy path without vLLM installed (tests/cuda, bench/gpu_check.py); a vLLM
+    # that is installed but lacks these names fails here, as before
 
     @dataclass
     class KVConnectorStats:  # type: ignore[no-redef]

@@ -176,6 +176,7 @@ class WorkerSide:
         if self._warmer is not None:  # registered again: the old tensors are let go
             self._warmer.close()
             self._warmer = None
+        self._close_arena()  # (registered again: the old copies end before their stream is replaced)
         try:
             layout = KvLayout.from_kv_caches(kv_caches, self.num_blocks, self._kind, self.block_tokens)
         except ValueError as err:
@@ -282,7 +283,7 @@ class WorkerSide:
         def pin() -> None:
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)  # else the runtime would open a context on device 0
-            region, why = pin_host_memory(ptr, size, unit=unit)
+            region, why = pin_host_memory(ptr, size, unit=unit, mapped=CUDA_COPY == "mapped")
             if region is None:
                 log.warning("kvtier: the DRAM arena %s stays pageable (%s): device copies go through the "
                             "driver's bounce buffer and block vLLM's thread", tier.path, why)
