@@ -44,7 +44,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(params=["mapped", "blocks"])
 def path(request, monkeypatch) -> str:
-    monkeypatch.setattr(worker_module, "CUDA_COPY", request.param)
+    monkeypatch.setattr(worker_module, "KERNEL_COPIES", request.param == "mapped")
     return request.param
 
 

@@ -41,6 +41,7 @@ class Stream:
         self.saved_layers: list[int] = []
         self.waited_layers: list[int] = []
         self.fences = 0  # begin_step: vLLM's stream waits for the copies queued so far
+        self.closes = 0  # close: the host waits for every copy queued
 
     def begin_step(self) -> None:
         self.fences += 1
@@ -64,7 +65,7 @@ class Stream:
         return self.events[-1]
 
     def close(self) -> None:
-        pass
+        self.closes += 1
 
     def map_slots(self, slots, mapped=None) -> None:  # noqa: ANN001 - kernels over a mapped arena: CUDA only
         self.mapped = mapped is not None
@@ -160,6 +161,24 @@ def test_a_delayed_free_is_reported_once_its_saves_are_settled(device_worker) ->
     stream.events[0].finished = True
     assert w.get_finished() == {"req-1"}
     assert w.get_finished() is None  # reported once
+
+
+def test_kv_caches_registered_again_end_the_copies_into_the_mapped_arena_first(device_worker) -> None:
+    """A second register_kv_caches replaces the device stream (on CUDA): the
+    copies queued on the old one must end, and the arena be let go, first;
+    the next plan maps it again."""
+    w, tier, stream = device_worker
+    step(w, StepPlan(step=1, arena=tier.path, saves=[BlockCopy(3, 0, KEY_A)]))
+    assert w._tier is not None and stream.closes == 0
+    w.register_kv_caches({f"l{i}": torch.randn(16, 2, BLOCK, 8) for i in range(2)})
+    assert stream.closes == 1 and w._tier is None
+    w._copies = stream
+    stream.events[0].finished = True
+    report = step(w, StepPlan(step=2, arena=tier.path, saves=[BlockCopy(4, 1, KEY_B)]))
+    # Its copies ended before the mapping went, and the same arena is mapped again: sealed there.
+    assert report.done == {1: 1} and report.failed_slots == [] and tier.verify(0, KEY_A, 0)
+    stream.events[1].finished = True
+    assert step(w, StepPlan(step=3, arena=tier.path)).failed_slots == [] and tier.verify(1, KEY_B, 0)
 
 
 def test_an_unreadable_kv_shape_leaves_the_worker_inert(make_tier, capacity_for) -> None:

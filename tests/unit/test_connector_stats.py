@@ -119,3 +119,35 @@ def test_a_failing_shutdown_does_not_stop_vllms(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(conn._scheduler, "shutdown", broken)
     conn.shutdown()  # logged, not raised into vLLM's shutdown
     assert not any(shm.iterdir())  # what it did close stays closed
+
+
+def test_the_worker_half_imports_and_counts_where_vllm_is_not_installed() -> None:
+    """A GPU machine with torch alone runs the copy path (tests/cuda,
+    bench/gpu_check.py): the worker's modules fall back to their own marker
+    classes when vLLM is not installed, in a process of their own here."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib.abc, importlib.util, sys
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: None if name.split('.')[0] == 'vllm' else real(name, package)
+class NoVllm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] == 'vllm':
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, NoVllm())
+from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
+from kvtier.connector.stats import KvtierStats
+from kvtier.connector.worker import WorkerSide
+assert not any(m.split('.')[0] == 'vllm' for m in sys.modules)
+w = WorkerSide(rank=0, num_blocks=4)
+plan = StepPlan(step=1, arena='/nonexistent', loads=[BlockCopy(0, 0, bytes(16))])
+w.start_load_kv(plan)
+assert w.get_block_ids_with_load_errors() == {0}
+stats = w.get_kv_connector_stats().aggregate(KvtierStats({'load_errors': 2}))
+print(stats.reduce()['load_errors'], StepReport(done={1: 1}).done)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "{1:", "1}"]

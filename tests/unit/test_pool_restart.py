@@ -64,9 +64,13 @@ def stop_all(meta: MetaProcess, *placements: PoolPlacement | None) -> None:
 
 
 def save(c: PoolPlacement, ks: list[bytes]) -> None:
-    """What an instance does for a save in step 1: its slots filled and sealed, the step completed."""
+    """What an instance does for a save in step 1: its slots filled and sealed, the step completed.
+    complete_step is not waited for: the flush makes it visible to the other
+    sessions' probes (without it, a probe from another instance could come
+    first; seen once under load)."""
     seal(c.arena_path, list(c.prepare_save(ks, step=1)), ks)
     c.complete_step(1)
+    assert c.flush()
 
 
 def wait_connected(c: PoolPlacement) -> None:

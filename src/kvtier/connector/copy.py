@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 _MEMMOVE = os.environ.get("KVTIER_COPY", "memmove") == "memmove"
-# CUDA: "mapped" (kernels over the mapped arena once it is registered; see
-# device_slot_view) or "blocks" (one DMA per block and layer, always).
-CUDA_COPY = "blocks" if os.environ.get("KVTIER_CUDA_COPY", "mapped") == "blocks" else "mapped"
+# CUDA: kernels over the mapped arena once it is registered (see
+# device_slot_view), unless KVTIER_CUDA_COPY=blocks: one DMA per block and layer, always.
+KERNEL_COPIES = os.environ.get("KVTIER_CUDA_COPY", "mapped") != "blocks"
 # Fewer blocks than this go by DMA even over a mapped arena: the kernels'
 # host cost is per layer (~55 us a save, ~41 us a load on an H200 host),
 # the DMAs' ~15 us a block plus ~23 us (saves) or ~13 us (loads) a layer:

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 
 from kvtier.connector.copy import (
-    CUDA_COPY,
+    KERNEL_COPIES,
     StreamCopies,
     can_check_while_copying,
     device_slot_view,
@@ -283,7 +283,7 @@ class WorkerSide:
         def pin() -> None:
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)  # else the runtime would open a context on device 0
-            region, why = pin_host_memory(ptr, size, unit=unit, mapped=CUDA_COPY == "mapped")
+            region, why = pin_host_memory(ptr, size, unit=unit, mapped=KERNEL_COPIES)
             if region is None:
                 log.warning("kvtier: the DRAM arena %s stays pageable (%s): device copies go through the "
                             "driver's bounce buffer and block vLLM's thread", tier.path, why)
@@ -291,7 +291,7 @@ class WorkerSide:
                 return
             self._pinned = region
             how = "one DMA per block and layer"
-            if copies is not None and CUDA_COPY == "mapped":
+            if copies is not None and KERNEL_COPIES:
                 mapped, why = mapped_at_host_address(region)
                 try:
                     if mapped:
