@@ -20,7 +20,8 @@ there):
 - a free stack of int32 slot numbers;
 - an open-addressing hash table (linear probing, int32 slot numbers, a
   power of two at most 3/4 full) from key to slot, deletes by backward
-  shift so no tombstones pile up;
+  shift so no tombstones pile up (:class:`~kvtier.tier.key_table.KeyTable`,
+  shared with the DRAM blocks' ready index);
 - pins in a dict, slot -> count: few slots are pinned (being promoted) at
   once.
 
@@ -52,12 +53,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from kvtier.tier.key_table import _EMPTY, KEY_BYTES, KeyTable
 from kvtier.tier.ssd import BlockRecord, SsdLocation
 
-KEY_BYTES = 16
-_EMPTY = -1
-_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: test keys (small integers) spread as well as digests
-_M64 = (1 << 64) - 1
 # Above this share of the held keys, removing a batch rebuilds the table
 # (a few vectorised passes) instead of deleting key by key in Python.
 _REBUILD_SHARE = 1 / 16
@@ -127,7 +125,7 @@ class SsdEntry:
         return self._index.record(self.slot)
 
 
-class SsdIndex:
+class SsdIndex(KeyTable):
     """Key -> slot, slot state, recency and the free stack of ``num_slots`` SSD slots.
 
     ``locate`` maps a global slot number to its :class:`SsdLocation` (the
@@ -135,13 +133,9 @@ class SsdIndex:
     """
 
     def __init__(self, num_slots: int, locate: Callable[[int], SsdLocation] | None = None) -> None:
-        if not 0 <= num_slots < 2**31 - 1:
-            raise ValueError(f"num_slots must be in [0, 2**31 - 1), got {num_slots}")
-        self.num_slots = num_slots
+        super().__init__(num_slots)
         self.locate = locate if locate is not None else (lambda slot: SsdLocation(0, slot))
         n = max(1, num_slots)
-        self._key_bytes = bytearray(n * KEY_BYTES)  # sliced per lookup: a 16-byte copy compares fastest
-        self._keys = np.frombuffer(self._key_bytes, dtype="<u8").reshape(n, 2)
         self._checksums = np.zeros(n, dtype=np.uint64)
         self._seqs = np.zeros(n, dtype=np.uint64)
         self._recency = np.zeros(n, dtype=np.int64)
@@ -152,107 +146,13 @@ class SsdIndex:
         # Slots whose write failed, taken only once the stack is empty (a bad
         # sector taken again by every next batch would fail them all).
         self._last: collections.deque[int] = collections.deque()
-        size = 8
-        while size * 3 < n * 4:  # at most 3/4 full
-            size *= 2
-        self._mask = size - 1
-        self._shift = 64 - size.bit_length() + 1
-        self._table = np.full(size, _EMPTY, dtype=np.int32)
         # memoryviews give Python ints on scalar access, several times faster than numpy scalars.
-        self._t = memoryview(self._table)
         self._st = memoryview(self._state)
         self._rec = memoryview(self._recency)
         self._fr = memoryview(self._free)
         self._pins: dict[int, int] = {}
         self._count = 0  # keys held (WRITING or READY)
         self._clock = 0
-
-    # --- hashing ------------------------------------------------------------
-
-    def bucket(self, key: bytes) -> int:
-        """Home position of ``key`` in the hash table (tests use it to make collisions)."""
-        h = int.from_bytes(key, "little")  # the two halves as the vectorised path reads them ("<u8")
-        return ((((h ^ (h >> 64)) & _M64) * _MIX) & _M64) >> self._shift
-
-    def _buckets(self, slots: np.ndarray) -> np.ndarray:
-        k = self._keys[slots]
-        with np.errstate(over="ignore"):
-            h = (k[:, 0] ^ k[:, 1]) * np.uint64(_MIX)
-        return (h >> np.uint64(self._shift)).astype(np.int64)
-
-    def _find(self, key: bytes) -> tuple[int, int]:
-        """(table position, slot) of ``key``; slot -1 and the empty position where it would go."""
-        t, kb, mask = self._t, self._key_bytes, self._mask
-        pos = self.bucket(key)
-        while True:
-            s = t[pos]
-            if s < 0:
-                return pos, -1
-            if kb[s * KEY_BYTES : s * KEY_BYTES + KEY_BYTES] == key:
-                return pos, s
-            pos = (pos + 1) & mask
-
-    def _delete_at(self, pos: int) -> None:
-        """Empty table position ``pos``, shifting later members of its probe run back (no tombstones)."""
-        t, mask, kb = self._t, self._mask, self._key_bytes
-        hole = j = pos
-        while True:
-            j = (j + 1) & mask
-            s = t[j]
-            if s < 0:
-                break
-            home = self.bucket(bytes(kb[s * KEY_BYTES : s * KEY_BYTES + KEY_BYTES]))
-            # The member at j may move to the hole unless its home lies
-            # cyclically in (hole, j]: then a lookup would start past the hole.
-            if (home <= hole < j) or (hole < j < home) or (j < home <= hole):
-                t[hole] = s
-                hole = j
-        t[hole] = _EMPTY
-
-    def _delete_many(self, slots: np.ndarray) -> None:
-        """Take the keys of ``slots`` (distinct, all in the table) out of the
-        hash table, vectorised: the batch form of :meth:`_delete_at`.
-
-        Their positions are found by probing all of them at once; they are
-        emptied; then every key between a new hole and the next empty
-        position (the only keys whose probe runs may cross a hole) is lifted
-        out and inserted again, by the rounds :meth:`_rebuild` uses. The cost
-        follows the batch and its probe runs, not the table: key by key in
-        Python, a batch of 65,536 took 0.5 to 2 s.
-        """
-        table, mask = self._table, self._mask
-        pos = self._buckets(slots)
-        want = slots.astype(np.int32)
-        found: list[np.ndarray] = []
-        while want.size:
-            hit = table[pos] == want
-            found.append(pos[hit])
-            want, pos = want[~hit], (pos[~hit] + 1) & mask
-        holes = np.concatenate(found)
-        table[holes] = _EMPTY
-        lifted: list[np.ndarray] = []
-        cur = (holes + 1) & mask
-        while cur.size:
-            cur = cur[table[cur] != _EMPTY]
-            lifted.append(cur)
-            cur = (cur + 1) & mask
-        at = np.concatenate(lifted)
-        if at.size:
-            self._insert_many(table[at].copy(), at)
-
-    def _insert_many(self, slots: np.ndarray, clear: np.ndarray | None = None) -> None:
-        """Insert the keys of ``slots`` (not in the table) by linear probing in
-        parallel rounds; ``clear``: table positions to empty first (they held them)."""
-        table, mask = self._table, self._mask
-        if clear is not None:
-            table[clear] = _EMPTY
-        pending = slots.astype(np.int32)
-        pos = self._buckets(pending)
-        while pending.size:
-            empty = table[pos] == _EMPTY
-            table[pos[empty]] = pending[empty]
-            rest = table[pos] != pending
-            pending, pos = pending[rest], (pos[rest] + 1) & mask
 
     def _rebuild(self, dedup: bool = False) -> list[int]:
         """Refill the hash table from the WRITING and READY slots, vectorised.
@@ -342,20 +242,7 @@ class SsdIndex:
             for i, key in enumerate(keys):
                 out[i] = self._find(key)[1] if len(key) == KEY_BYTES else -1
             return out
-        want = np.frombuffer(joined, dtype="<u8").reshape(n, 2)
-        with np.errstate(over="ignore"):
-            h = (want[:, 0] ^ want[:, 1]) * np.uint64(_MIX)
-        pos = (h >> np.uint64(self._shift)).astype(np.int64)
-        idx = np.arange(n)
-        table, held, mask = self._table, self._keys, self._mask
-        while idx.size:
-            s = table[pos].astype(np.int64)
-            empty = s < 0
-            match = ~empty & (held[np.maximum(s, 0)] == want[idx]).all(axis=1)
-            out[idx[match]] = s[match]
-            go = ~(empty | match)
-            idx, pos = idx[go], (pos[go] + 1) & mask
-        return out
+        return self._find_array(np.frombuffer(joined, dtype="<u8").reshape(n, 2))
 
     def ready_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each of ``keys`` is READY (readable), vectorised."""
