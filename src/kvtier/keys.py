@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -187,3 +188,50 @@ def block_keys(seed: bytes, token_ids: Sequence[int] | np.ndarray, block_tokens:
         prev = sha(prev + raw[off : off + step]).digest()[:KEY_BYTES]
         out.append(prev)
     return out
+
+
+_KEY_VOID = np.dtype(f"V{KEY_BYTES}")  # raw bytes: tolist() gives every key whole, trailing zeros too
+
+
+class PackedKeys(Sequence[bytes]):
+    """Block keys as one buffer of 16-byte keys back to back, as the meta
+    service receives them: a probe reads them as an array (:meth:`array`)
+    and a bytes object per key is made only when one is asked for (the
+    list, made once, costs ~0.2 ms for 4,096 keys on the test machine)."""
+
+    __slots__ = ("blob", "_list")
+
+    def __init__(self, blob: bytes) -> None:
+        if len(blob) % KEY_BYTES:
+            raise ValueError(f"{len(blob)} bytes is not a whole number of {KEY_BYTES}-byte keys")
+        self.blob = blob
+        self._list: list[bytes] | None = None
+
+    def __len__(self) -> int:
+        return len(self.blob) // KEY_BYTES
+
+    def array(self) -> np.ndarray:
+        """The keys as an (n, 2) array of their little-endian uint64 halves (a view, no copy)."""
+        return np.frombuffer(self.blob, dtype="<u8").reshape(-1, 2)
+
+    def as_list(self) -> list[bytes]:
+        if self._list is None:
+            self._list = np.frombuffer(self.blob, dtype=_KEY_VOID).tolist()
+        return self._list
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - int or slice, as a list's
+        if isinstance(i, slice) and self._list is None and i.step in (None, 1):
+            start, stop, _ = i.indices(len(self))
+            return PackedKeys(self.blob[start * KEY_BYTES : max(start, stop) * KEY_BYTES])
+        return self.as_list()[i]
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.as_list())
+
+    def iter_from(self, start: int) -> Iterator[bytes]:
+        """The keys from ``start`` on, each made when reached (a probe's walk
+        past its run in the ready index usually stops after a key or two)."""
+        if self._list is not None:
+            return itertools.islice(self._list, start, None)
+        blob = self.blob
+        return (blob[i : i + KEY_BYTES] for i in range(start * KEY_BYTES, len(blob), KEY_BYTES))

@@ -75,7 +75,7 @@ class Placement(Protocol):
 
 def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, fingerprint: bytes,
                reaper: bool = True, tier: DramTier | None = None,
-               cluster: ClusterConfig | None = None) -> TieredStore:
+               cluster: ClusterConfig | None = None, ready_index: bool = False) -> TieredStore:
     """Create the DRAM arena at ``arena`` (or use ``tier``, an adopted one),
     open the SSD tier if configured, and return the store over them.
 
@@ -86,6 +86,9 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
     The arena's pages are read every ``cfg.kv_warm_interval_s``
     (:meth:`DramTier.keep_warm`, :func:`kvtier.hostmem.warm_interval_s`)
     while it is open.
+
+    ``ready_index``: the store keeps one (the meta service's: its probes
+    come as one buffer of keys, see kvtier/ready_index.py).
 
     ``reaper``: start the process that removes the arena when its owner
     dies (an engine); a meta service keeps its arena for a restart to adopt.
@@ -134,7 +137,7 @@ def open_store(cfg: KvtierConfig, arena: str, rank_bytes: int, ranks: int, finge
                            publish_on_evict=cluster is not None and cluster.publish_on is PublishOn.EVICT,
                            cluster_timeout_s=cluster.timeout_s if cluster is not None else CLUSTER_LOOKUP_WAIT_S,
                            cluster_lookup_blocks=cluster.lookup_blocks if cluster is not None else 256,
-                           stale_move_s=cfg.promote_timeout_s)
+                           stale_move_s=cfg.promote_timeout_s, ready_index=ready_index)
     except BaseException:
         if ssd is not None:
             ssd.discard()  # the files it created go too

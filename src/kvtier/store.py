@@ -92,11 +92,12 @@ import msgspec
 import numpy as np
 
 from kvtier.config import CLUSTER_LOOKUP_WAIT_S
-from kvtier.keys import KEY_BYTES
+from kvtier.keys import KEY_BYTES, PackedKeys
 from kvtier.movers import DEMOTE_GIVE_UP as DEMOTE_GIVE_UP  # re-exported: part of the store's contract
 from kvtier.movers import ClusterMover, PromoteJob, RemoteTier, TierMover
 from kvtier.movers import Fetched
 from kvtier.policy import EvictionPolicy, LruPolicy
+from kvtier.ready_index import ReadyIndex
 from kvtier.tier import DramTier
 from kvtier.tier.ssd import BlockRecord, Recovered, SsdLocation, SsdTier
 from kvtier.tier.ssd_index import SlotState, SsdIndex, eviction_batch
@@ -107,6 +108,23 @@ log = logging.getLogger(__name__)
 
 
 CLEAR_WAIT_S = 10.0  # how long clear() waits for the SSD headers it empties to be on disk
+# From this many keys, given as one buffer (PackedKeys: the meta service's
+# probes), a probe finds its run of plain READY blocks in the ready index
+# (a few array passes); below, or given as bytes objects (the embedded
+# backend's scheduler), key by key: C calls over the entries and the odd
+# set, which cost less than the arrays when the keys' hashes are cached
+# (a waiting request asked again) and as much when they are not.
+PROBE_VECTOR_MIN = 2048
+# Blocks stamped by probes and not yet in the recency order past which
+# settle() applies them: an eviction inside a save's call, which the saving
+# instance's scheduler waits for, finds at most this many to move first
+# (~1.2 ms on the 2-core test machine).
+STAMPS_PENDING_MAX = 8_192
+# Changes to the ready index that settle() applies after an answer; fewer
+# wait for the next long probe, which applies them first: a batch costs
+# ~0.15 ms of array calls on the 2-core test machine whatever its size, so
+# one a step rather than one after every call.
+READY_BATCH = 512
 
 
 class EntryState(enum.Enum):
@@ -135,6 +153,41 @@ class _Entry(msgspec.Struct, gc=False):
     from_cluster: bool = False  # PROMOTING: being fetched from the cluster tier, not read from SSD
     since: float = 0.0  # PROMOTING: when its move was handed over, then when its read or fetch began
     stalled: bool = False  # PROMOTING: a lookup found it running past stale_move_s (counted once)
+
+
+class _OddKeys(set):
+    """The store's odd set (keys whose DRAM entry is not plain READY) that
+    tells the ready index of every change: a key added leaves it, a key
+    discarded enters it at its entry's slot (or leaves it with its entry).
+    The store changes the set with these calls only."""
+
+    __slots__ = ("_entries", "_changes")
+
+    def __init__(self, entries: dict[bytes, _Entry], ready: ReadyIndex) -> None:
+        super().__init__()
+        self._entries = entries
+        self._changes = ready.changes
+
+    # The index's change dict written here, not through its methods: one
+    # Python call a change instead of two, on every save's path.
+    def add(self, key: bytes, _add=set.add) -> None:  # noqa: ANN001 - set.add, bound once
+        _add(self, key)
+        self._changes[key] = -1
+
+    def discard(self, key: bytes, _discard=set.discard) -> None:  # noqa: ANN001
+        _discard(self, key)
+        e = self._entries.get(key)
+        self._changes[key] = -1 if e is None else e.slot
+
+    def add_all(self, keys: list[bytes]) -> None:
+        """:meth:`add` of ``keys``."""
+        set.update(self, keys)
+        self._changes.update(dict.fromkeys(keys, -1))
+
+    def discard_all(self, keys: list[bytes], slots: list[int]) -> None:
+        """:meth:`discard` of ``keys``, each held plain READY at its slot in ``slots``."""
+        set.difference_update(self, keys)
+        self._changes.update(zip(keys, slots))
 
 
 class SaveSlots(list):
@@ -250,9 +303,10 @@ def _check_new_keys(keys: list[bytes]) -> None:
     call changes anything: the arena refuses another length only once a
     slot has been taken for it, and a call stopped there would leave the
     keys before it half-entered (not in the recency order, a promotion
-    never started). One join: checking each length cost three times as
-    much (pool/wire.py)."""
-    if len(b"".join(keys)) != KEY_BYTES * len(keys):
+    never started). The total, then the shortest: keys of 15 and 17 bytes
+    side by side add up too; both in C (a Python check of each length cost
+    three times as much, pool/wire.py)."""
+    if len(b"".join(keys)) != KEY_BYTES * len(keys) or min(map(len, keys), default=KEY_BYTES) != KEY_BYTES:
         bad = next(k for k in keys if len(k) != KEY_BYTES)
         raise ValueError(f"block key {bytes(bad)[:32]!r} is {len(bad)} bytes, not {KEY_BYTES}")
 
@@ -279,7 +333,8 @@ class TieredStore:
                  recovered: Recovered | Sequence[tuple[SsdLocation, BlockRecord]] = (),
                  cluster: RemoteTier | None = None, publish_on_evict: bool = False,
                  cluster_timeout_s: float = CLUSTER_LOOKUP_WAIT_S, cluster_lookup_blocks: int = 256,
-                 cluster_queue_blocks: int = 1024, stale_move_s: float = STALE_MOVE_S) -> None:
+                 cluster_queue_blocks: int = 1024, stale_move_s: float = STALE_MOVE_S,
+                 ready_index: bool = False) -> None:
         self.tier = tier
         self.stale_move_s = self.STALE_MOVE_S
         self.wait_for_moves(stale_move_s)
@@ -323,8 +378,15 @@ class TieredStore:
         # Keys whose DRAM entry is not plain READY (see _sync_odd): the
         # probe's fast path counts the others without looking at their
         # entries. Kept exact at every change of an entry's state, doomed or
-        # evict_after (odd_keys_consistent, checked in the tests).
-        self._odd: set[bytes] = set()
+        # evict_after (odd_keys_consistent, checked in the tests). Long
+        # probes count the others in the ready index instead, which the set
+        # keeps in step (_OddKeys). Only where probes come as one buffer
+        # (``ready_index``: the meta service's store): it costs a dict store
+        # a change, those of a save's blocks made at once (a 4,096-block
+        # save took as long with it as without, within the noise of the
+        # 2-core test machine).
+        self._ready = ReadyIndex(tier.num_slots) if ready_index else None
+        self._odd: set[bytes] = _OddKeys(self._entries, self._ready) if self._ready is not None else set()
         # Keys pinned for a put to the cluster, with how many puts: with the
         # steps' pin lists, every pin there is (statistics counts from them).
         self._publishing: dict[bytes, int] = {}
@@ -335,7 +397,23 @@ class TieredStore:
         # (eviction, cleaning, republishing): a block a probe reported is as
         # safe from another instance's eviction as if it had been touched
         # under the probe's lock.
-        self._unrefreshed: list[tuple[Sequence[bytes], bool]] = []
+        # With the stamp clock when each was counted (see _stamps).
+        self._unrefreshed: list[tuple[Sequence[bytes], bool, int]] = []
+        # Runs of plain READY blocks that long probes without refresh
+        # counted are noted as a stamp per DRAM slot instead (one array
+        # call; the first key of a run highest): the moves in the LRU order
+        # that cost near 0.6 ms for 4,096 keys wait until something reads
+        # the order, or until STAMPS_PENDING_MAX keys wait (settle), and a
+        # block probed many times meanwhile is moved once. 0: no stamp. A
+        # slot's stamp goes with its block (_drop). Blocks saved, promoted
+        # or touched by a save in between come out older than the stamped
+        # runs: a probe announces a load, its blocks count as the last used.
+        self._stamps = np.zeros(max(1, tier.num_slots) if ready_index else 1, dtype=np.int64)
+        self._stamp_at = memoryview(self._stamps)
+        self._stamp_clock = 0
+        self._stamp_floor = 0  # no stamp at or below this is left (stamps applied up to it)
+        self._stamped = 0  # keys stamped since the stamps were last applied, at most (repeats counted)
+        self._only_run: np.ndarray | None = None  # the slots stamped, while one run is all there is
 
         self.ssd = ssd
         # Key -> SSD slot, slot states (free, dirty: may hold a valid older
@@ -452,20 +530,29 @@ class TieredStore:
         # looked up on SSD in batches (SsdIndex.ready_many) of 1, 8, 64, ...
         # keys: a cold prompt, whose first key is held nowhere, costs one
         # lookup, and a long run on SSD a few batches instead of a call per key.
+        # Long probes find the leading plain READY keys in the ready index
+        # instead, with a few array passes over the keys as one buffer.
         ready_state, promoting = EntryState.READY, EntryState.PROMOTING
+        want = keys.array() if self._ready is not None and isinstance(keys, PackedKeys) \
+            and len(keys) >= PROBE_VECTOR_MIN else None
         with self._lock:
             entries, ssd, odd = self._entries, self._ssd_entries, self._odd
-            run = list(itertools.takewhile(entries.__contains__, keys))
-            plain = len(run)
-            if plain and odd:
-                plain = next(itertools.compress(itertools.count(), map(odd.__contains__, run)), plain)
+            run_slots = None  # the slots of the plain run, from the ready index
+            if want is not None:
+                plain, run_slots = self._ready.leading(want)  # type: ignore[union-attr]
+            else:
+                run = list(itertools.takewhile(entries.__contains__, keys))
+                plain = len(run)
+                if plain and odd:
+                    plain = next(itertools.compress(itertools.count(), map(odd.__contains__, run)), plain)
             ready = total = plain
             on_ssd: list[bool] = []  # READY on SSD, for keys[base : base + len(on_ssd)]
             base = plain
             window = 1
             ssd_only = False  # a key counted is held on SSD only (not in the DRAM policy)
             stale_before: float | None = None  # moves begun before this have stalled (read at the first one)
-            for key in itertools.islice(keys, plain, None):
+            rest = keys.iter_from(plain) if isinstance(keys, PackedKeys) else itertools.islice(keys, plain, None)
+            for key in rest:
                 e = entries.get(key)
                 if e is None:
                     if ssd:
@@ -510,7 +597,13 @@ class TieredStore:
             if total:
                 # Without a key found on SSD only, every key counted is in DRAM (in the policy).
                 if not refresh:
-                    self._unrefreshed.append((keys[:total], not ssd_only))
+                    if total == plain and run_slots is not None:
+                        # Counted in the ready index, its slots known: stamped. Key by key,
+                        # finding the slots would cost more than the moves (~150 against
+                        # ~120 ns a key): the run is kept and refreshed after the answer.
+                        self._stamp_locked(run_slots)
+                    else:
+                        self._unrefreshed.append((keys[:total], not ssd_only, self._stamp_clock))
                 else:
                     self._flush_refreshes_locked()  # earlier runs first: they were looked up first
                     self._refresh_locked(keys[:total], all_held=not ssd_only)
@@ -519,7 +612,8 @@ class TieredStore:
         # Then the cluster tier, outside the lock (a remote call, bounded by
         # the mover's timeout): the keys it holds after the node pool's run
         # are fetched by promote().
-        remote = self._cluster.lookup(keys[total : total + self._cluster_lookup])
+        after = keys[total : total + self._cluster_lookup]
+        remote = self._cluster.lookup(after.as_list() if isinstance(after, PackedKeys) else after)
         return Probe(ready, total + remote, remote)
 
     def _stalled_locked(self, key: bytes, e: _Entry) -> None:
@@ -542,17 +636,76 @@ class TieredStore:
         """Refresh the recency of the runs that ``probe(refresh=False)``
         counted and that nothing has refreshed yet, in the order they were
         counted: each run's keys become the most recently used, its first
-        key most of all. Keys that left the node pool since are passed over."""
+        key most of all. Keys that left the node pool since are passed over.
+        Also applies the changes the ready index has noted (saves completed,
+        evictions), which the next long probe would apply otherwise: the
+        meta service calls this once an answer is sent."""
         with self._lock:
             self._flush_refreshes_locked()
+            if self._ready is not None:
+                self._ready.flush()
+
+    def settle(self) -> None:
+        """The bookkeeping that the meta service does once an answer is
+        sent: the runs that probes counted with keys not plain READY, and
+        the stamps of the others past STAMPS_PENDING_MAX, go into the
+        recency orders; the ready index takes the changes noted."""
+        with self._lock:
+            if self._unrefreshed:
+                self._flush_refreshes_locked()
+            elif self._stamped > STAMPS_PENDING_MAX:
+                self._stamped = int(np.count_nonzero(self._stamps))  # a block probed again is counted once
+                if self._stamped > STAMPS_PENDING_MAX:
+                    self._apply_stamps_locked()
+            if self._ready is not None and len(self._ready.changes) >= READY_BATCH:
+                self._ready.flush()
 
     def _flush_refreshes_locked(self) -> None:
         if self._unrefreshed:
             runs, self._unrefreshed = self._unrefreshed, []
-            for keys, all_held in runs:
+            for keys, all_held, clock in runs:
+                self._apply_stamps_locked(clock)  # the runs stamped before it come first
                 self._refresh_locked(keys, all_held)
+        self._apply_stamps_locked()
+
+    def _stamp_locked(self, slots: np.ndarray) -> None:
+        """Stamp the run of plain READY blocks in ``slots``, first most recent
+        (a slot given twice keeps its first place: the higher stamp)."""
+        n = len(slots)
+        np.maximum.at(self._stamps, slots, np.arange(self._stamp_clock + n, self._stamp_clock, -1))
+        self._only_run = slots if not self._stamped else None
+        self._stamp_clock += n
+        self._stamped += n
+
+    def _apply_stamps_locked(self, upto: int | None = None) -> None:
+        """Move the stamped blocks (those stamped at or before ``upto``) to
+        the recent end of the recency orders, in stamp order, and clear
+        their stamps."""
+        if not self._stamped or (upto is not None and upto <= self._stamp_floor):
+            return
+        stamps = self._stamps
+        run, self._only_run = self._only_run, None
+        if run is not None and upto is not None and upto < self._stamp_clock:
+            run = None  # a part only: the general way
+        if run is not None:  # one run stamped (the service settling after its probe): its order is known
+            newest_first = run[stamps[run] > 0]  # less the blocks that left since (a repeat moves twice: no harm)
+            stamped = newest_first
+        else:
+            stamped = np.flatnonzero(stamps if upto is None else (stamps > 0) & (stamps <= upto))
+            newest_first = stamped[np.argsort(stamps[stamped])[::-1]]
+        self._stamp_floor = self._stamp_clock if upto is None else upto
+        if upto is None or run is not None:
+            self._stamped = 0
+        if not stamped.size:
+            return
+        stamps[stamped] = 0
+        # A stamped slot holds the block the probe counted (a block that
+        # leaves DRAM takes its stamp with it): the ready index still has its key.
+        self._refresh_locked(self._ready.keys_of(newest_first), all_held=True)  # type: ignore[union-attr]
 
     def _refresh_locked(self, keys: Sequence[bytes], all_held: bool) -> None:
+        if isinstance(keys, PackedKeys):  # made into bytes here, after the probe's answer
+            keys = keys.as_list()
         self._policy.touch(keys, all_held=all_held)
         if self._dirty_ordered and len(self._entries) < self._clean_mark - self._clean_slack:
             self._dirty_ordered = False  # far below the clean mark: see _clean_locked
@@ -722,38 +875,47 @@ class TieredStore:
             pending = self._pending.setdefault(owner, {}).setdefault(step, [])
             first = len(pending)
             added: list[bytes] = []
-            for i, key in enumerate(keys):
-                if key not in wanted:
-                    # Held, or repeated: settled. A doomed entry is on its way
-                    # out (a reset, or a save of a step that followed a failed
-                    # load): it will not be readable, so the key is to be saved
-                    # again once it has gone.
-                    e = entries.get(key)
-                    if placed < 0 and e is not None and e.doomed:
-                        placed = i
-                    out.append(None)
-                    continue
-                wanted.discard(key)
-                if not self._free:
-                    if placed < 0:
-                        placed = i
-                    out.append(None)
-                    continue
-                slot = self._free.pop()
-                self.tier.clear(slot, key)
-                s = self._ssd_entries.get(key)
-                entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready,
-                                      owner=owner)
-                odd.add(key)
-                pending.append(key)
-                added.append(key)
-                out.append(slot)
-            # Insert tail first so that the head of a prefix is evicted last;
-            # the step's list keeps that order too (complete_step makes them
-            # READY in it, after the keys of the step's earlier calls).
-            pending[first:] = pending[first:][::-1]
-            for key in reversed(added):
-                self._policy.insert(key)
+            try:
+                for i, key in enumerate(keys):
+                    if key not in wanted:
+                        # Held, or repeated: settled. A doomed entry is on its way
+                        # out (a reset, or a save of a step that followed a failed
+                        # load): it will not be readable, so the key is to be saved
+                        # again once it has gone.
+                        e = entries.get(key)
+                        if placed < 0 and e is not None and e.doomed:
+                            placed = i
+                        out.append(None)
+                        continue
+                    wanted.discard(key)
+                    if not self._free:
+                        if placed < 0:
+                            placed = i
+                        out.append(None)
+                        continue
+                    slot = self._free.pop()
+                    self.tier.clear(slot, key)
+                    s = self._ssd_entries.get(key)
+                    entries[key] = _Entry(slot, EntryState.PENDING, step, on_ssd=s is not None and s.ready,
+                                          owner=owner)
+                    added.append(key)
+                    pending.append(key)
+                    out.append(slot)
+            finally:
+                # Whatever stopped the loop, the keys entered are PENDING:
+                # odd, all at once (C calls; a key entered and not in the set
+                # would be counted readable), and in the recency order (a key
+                # not in it would never be evicted). Insert tail first so that
+                # the head of a prefix is evicted last; the step's list keeps
+                # that order too (complete_step makes them READY in it, after
+                # the keys of the step's earlier calls).
+                if isinstance(odd, _OddKeys):
+                    odd.add_all(added)
+                else:
+                    odd.update(added)
+                pending[first:] = pending[first:][::-1]
+                for key in reversed(added):
+                    self._policy.insert(key)
         out.placed = len(out) if placed < 0 else placed
         return out
 
@@ -769,30 +931,41 @@ class TieredStore:
         """
         failed = set(failed_slots)
         saved: list[bytes] = []  # made READY now: published to the cluster tier (write-through)
+        ready: list[bytes] = []  # made READY now, and their slots: plain READY from here (none doomed)
+        ready_slots: list[int] = []
         with self._lock:
             self._mover.step_done()  # the clock of the SSD write back-off
-            for s, keys in self._take_steps(self._pending, owner, step):
-                # In the order prepare_save put them in the LRU order (each
-                # call's keys tail first, calls in turn): the order of blocks
-                # without an SSD copy gets each prefix's tail before its head,
-                # so cleaning copies first what eviction frees first.
-                # Published head first (saved, reversed below).
-                made = len(saved)
-                for key in keys:
-                    e = self._own_pending(key, owner, s)
-                    if e is None:
-                        continue
-                    if e.slot in failed or e.doomed:
-                        self._c.save_failures += 1
-                        self._drop(key, e)
-                    else:
-                        e.state = EntryState.READY
-                        self.tier.publish(e.slot)
-                        self._sync_dirty(key, e)
-                        self._sync_odd(key, e)
-                        if self._cluster is not None and not self._publish_on_evict:
-                            saved.append(key)
-                saved[made:] = saved[made:][::-1]
+            try:
+                for s, keys in self._take_steps(self._pending, owner, step):
+                    # In the order prepare_save put them in the LRU order (each
+                    # call's keys tail first, calls in turn): the order of blocks
+                    # without an SSD copy gets each prefix's tail before its head,
+                    # so cleaning copies first what eviction frees first.
+                    # Published head first (saved, reversed below).
+                    made = len(saved)
+                    for key in keys:
+                        e = self._own_pending(key, owner, s)
+                        if e is None:
+                            continue
+                        if e.slot in failed or e.doomed:
+                            self._c.save_failures += 1
+                            self._drop(key, e)
+                        else:
+                            e.state = EntryState.READY
+                            self.tier.publish(e.slot)
+                            self._sync_dirty(key, e)
+                            ready.append(key)
+                            ready_slots.append(e.slot)
+                            if self._cluster is not None and not self._publish_on_evict:
+                                saved.append(key)
+                    saved[made:] = saved[made:][::-1]
+            finally:
+                # Out of the odd set at once (C calls, not one _sync_odd a
+                # block), whatever stopped the loop.
+                if isinstance(self._odd, _OddKeys):
+                    self._odd.discard_all(ready, ready_slots)
+                else:
+                    self._odd.difference_update(ready)
             if owner in self._progress:
                 self._progress[owner] = time.monotonic()
             for _, (_, keys) in self._take_steps(self._pins, owner, step):
@@ -1074,11 +1247,22 @@ class TieredStore:
             self._odd.add(key)
 
     def odd_keys_consistent(self) -> bool:
-        """Whether the odd set is exactly what the entries say (for tests:
-        a key missing from it would be counted readable by the probe)."""
+        """Whether the odd set, and the ready index with it, are exactly
+        what the entries say (for tests: a key missing from the set, or in
+        the index, would be counted readable by the probe), and every
+        stamp is on the slot of the block that was stamped."""
         with self._lock:
-            return self._odd == {k for k, e in self._entries.items()
-                                 if e.state is not EntryState.READY or e.doomed or e.evict_after}
+            odd = {k for k, e in self._entries.items()
+                   if e.state is not EntryState.READY or e.doomed or e.evict_after}
+            if self._odd != odd:
+                return False
+            if self._ready is None:
+                return True
+            # A stamped slot still holds the block stamped, whose key the index kept.
+            stamped = np.flatnonzero(self._stamps)
+            return self._ready.held() == {k: e.slot for k, e in self._entries.items() if k not in odd} and all(
+                (e := self._entries.get(k)) is not None and e.slot == s
+                for s, k in zip(stamped.tolist(), self._ready.keys_of(stamped)))
 
     def _sync_dirty(self, key: bytes, e: _Entry) -> None:
         """Keep ``key`` in the dirty order exactly while cleaning may copy it."""
@@ -1232,6 +1416,8 @@ class TieredStore:
         cleared (``keep_key``: still naming ``key``, unreadable)."""
         del self._entries[key]
         self._odd.discard(key)
+        if self._ready is not None:
+            self._stamp_at[e.slot] = 0
         self._policy.remove(key)
         self._dirty.remove(key)
         if keep_key:

@@ -178,6 +178,9 @@ def test_a_save_with_a_key_of_another_length_changes_nothing(make_store) -> None
     assert not store.contains(K(1)) and store.statistics().pending_slots == 0
     store.complete_step(1)
     assert store.odd_keys_consistent()
+    with pytest.raises(ValueError, match="15 bytes, not 16"):  # as long as two 16-byte keys together
+        store.prepare_save([K(1), K(2)[:15], K(3) + b"x"], step=1)
+    assert store.slot_counts() == before and not store.contains(K(1))
     # Every slot still comes back into use: the pool fills and evicts K(0) and the rest in order.
     for i in range(1, 3 * SLOTS):
         save_ready(store, [K(i)], step=1 + i)

@@ -1,7 +1,11 @@
 """kvtier.store under random calls: the lookup against its plain definition.
 
 The store's probe counts leading plain READY keys by C calls over a set it
-keeps of the keys that are not (store.py, ``_odd``). Here two owners make
+keeps of the keys that are not (store.py, ``_odd``), or, for a long probe,
+in the ready index the set keeps in step (kvtier/ready_index.py): each test
+runs both ways (a store with the index, every probe of keys in one buffer
+through it, and one without), the keys of half the probes in one buffer
+as the meta service hands them over (``PackedKeys``). Here two owners make
 random calls (saves, completed and failed steps, pins, promotions,
 discards, doomed steps, abandoned saves, ended sessions, resets, expired
 pins, probes whose recency is refreshed some calls later, as the meta
@@ -24,6 +28,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from kvtier import store as store_module
+from kvtier.keys import PackedKeys
 from kvtier.store import EntryState, TieredStore
 from kvtier.tier.dram import checksum
 from kvtier.tier.ssd import IoOps
@@ -110,7 +116,7 @@ def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> 
             refresh = rng.random() < 0.5
             with store._lock:
                 want = expected_probe(store, keys)
-                got = store.probe(keys, refresh=refresh)
+                got = store.probe(PackedKeys(b"".join(keys)) if rng.random() < 0.5 else keys, refresh=refresh)
             assert (got.ready, got.total) == want, f"call {i}: probe {got} where the entries say {want}"
             probes += 1
         elif x < 0.55:
@@ -166,13 +172,21 @@ def run(rng: random.Random, store: TieredStore, io: FlakyWrites, calls: int) -> 
     return probes
 
 
+@pytest.mark.parametrize(("ready_index", "vector_min"), [(False, store_module.PROBE_VECTOR_MIN), (True, 1)],
+                         ids=["key-by-key", "ready-index"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_calls_keep_the_probe_equal_to_the_plain_walk(seed: int, make_tier_of, make_ssd) -> None:
+def test_random_calls_keep_the_probe_equal_to_the_plain_walk(seed: int, ready_index: bool, vector_min: int,
+                                                             make_tier_of, make_ssd,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the ready index, every probe of keys in one buffer goes through it (vector_min 1).
+    monkeypatch.setattr(store_module, "PROBE_VECTOR_MIN", vector_min)
     rng = random.Random(seed)
     io = FlakyWrites(rng)
     ssd, recovered = make_ssd(40, PAGE, io=io)
     store = TieredStore(make_tier_of(24, PAGE), high_pct=90, low_pct=70, ssd=ssd, recovered=recovered,
-                        dram_watermark_pct=100, demote_queue_blocks=rng.choice([1, 2, 4, 8]))
+                        dram_watermark_pct=100, demote_queue_blocks=rng.choice([1, 2, 4, 8]),
+                        ready_index=ready_index)
+    assert (store._ready is not None) == ready_index
     try:
         assert run(rng, store, io, calls=1500) > 300
     finally:

@@ -55,6 +55,7 @@ import xxhash
 
 from kvtier.config import ClusterConfig, KvtierConfig
 from kvtier.errors import ConfigError
+from kvtier.keys import PackedKeys
 from kvtier.placement import close_store, open_store
 from kvtier.pool import wire
 from kvtier.pool.statspage import StatsPage
@@ -430,7 +431,7 @@ class MetaService:
             log.info("kvtier meta: the old arena holds another geometry; starting cold")
             old.close()  # owner: removes it
         store = open_store(self.opts.store, arena, rank_bytes, ranks, fingerprint, reaper=False,
-                           tier=old if adopt else None, cluster=self.opts.cluster)
+                           tier=old if adopt else None, cluster=self.opts.cluster, ready_index=True)
         page = None
         try:
             page = StatsPage.create(self._stats_stem + secrets.token_hex(4))
@@ -636,9 +637,12 @@ class MetaService:
         s.calls += 1
         owner = s.id
         reply: wire.Reply
-        refresh = False  # Probe: the run counted is refreshed once the answer is sent
+        refresh = False  # Probe, CompleteStep: store.settle() once the answer is sent
         if isinstance(msg, wire.Probe):
-            keys = wire.unpack_keys(msg.keys)
+            # The keys stay one buffer: the store's ready index reads them as
+            # an array, and bytes objects are made only for what the probe
+            # goes on to look at key by key, and for the recency.
+            keys = PackedKeys(msg.keys)
             # The recency of the run found is refreshed after the answer is
             # sent (near half the probe's time for 4,096 keys): the instance's
             # scheduler waits for the count only.
@@ -662,6 +666,7 @@ class MetaService:
             failed = range(store.tier.num_slots) if msg.all_failed else msg.failed_slots
             store.complete_step(msg.step, failed_slots=failed, owner=owner)
             reply = wire.Ok(msg.id)
+            refresh = True  # settle(): the ready index takes the blocks made READY then if many wait
         elif isinstance(msg, wire.Promote):
             reply = wire.Count(msg.id, store.promote(wire.unpack_keys(msg.keys)))
         elif isinstance(msg, wire.WaitProgress):
@@ -685,17 +690,18 @@ class MetaService:
             raise wire.WireError(f"unexpected {type(msg).__name__}")
         spent = time.perf_counter() - t0
         if refresh:
-            return reply, lambda: self._refresh(store, spent)
+            return reply, lambda: self._refresh(store, type(msg).__name__, spent)
         if self.rpc_seconds is not None:
             self.rpc_seconds(type(msg).__name__, spent)
         return reply, None
 
-    def _refresh(self, store: TieredStore, spent: float) -> None:
-        """A probe's second part, after its answer: the recency of the run it counted."""
+    def _refresh(self, store: TieredStore, call: str, spent: float) -> None:
+        """A call's second part, after its answer: the recency of the run a
+        probe counted, the ready index's changes a completed step made."""
         t0 = time.perf_counter()
-        store.refresh()
-        if self.rpc_seconds is not None:  # the probe's whole time in the service, the send left out
-            self.rpc_seconds("Probe", spent + time.perf_counter() - t0)
+        store.settle()
+        if self.rpc_seconds is not None:  # the call's whole time in the service, the send left out
+            self.rpc_seconds(call, spent + time.perf_counter() - t0)
 
     # --- leases -----------------------------------------------------------
 

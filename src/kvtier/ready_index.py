@@ -1,0 +1,135 @@
+"""ReadyIndex: the DRAM blocks a probe may count without looking at them.
+
+A probe of a 64k-token prompt asks for 4,096 keys, on vLLM's scheduler
+thread or, for every instance of a node, in the meta service. Its first
+part is the run of leading keys whose DRAM entry is plain READY (held, not
+in the store's odd set: not PENDING, PROMOTING, doomed or to be freed).
+Found key by key, that run cost a dict lookup per key, each a cache miss on
+an entry and a key object: 0.6-1 ms for 4,096 keys on the 2-core test
+machine. Here the same set lives in a :class:`KeyTable` over the DRAM
+slots (the key of each slot in it, the hash table), and the run is found
+with a few array passes over the request's keys as one buffer: the keys
+need not even become bytes objects (the meta service hands over the
+blob it received).
+
+The store tells the index of every change (:meth:`set` when an entry
+becomes plain READY, :meth:`unset` when it stops being so or leaves DRAM)
+on its per-key paths, which pay one dict store for it; the changes are
+applied in one vectorised batch (:meth:`flush`) before a lookup reads the
+table, and by the store after a step's saves complete. Only the last
+change of a key counts.
+
+What it answers is a count: loads pin and read through the store's
+entries, never through this index, so a wrong answer here could only make
+a hit a miss (or a miss that the pin then finds), never hand out the
+wrong slot. The store checks the index against its entries in the tests
+(:meth:`TieredStore.odd_keys_consistent`). Not thread safe: called under
+the store's lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.tier.key_table import KEY_BYTES, KeyTable
+
+# A quarter full at most: a lookup's rounds end when its longest probe run
+# does, and the table is 16 bytes a DRAM slot (a 2 GiB pool of 64 KiB
+# blocks: 512 KiB).
+MAX_LOAD = 0.25
+_NO_SLOTS = np.zeros(0, dtype=np.int64)
+_KEY_VOID = np.dtype(f"V{KEY_BYTES}")
+
+
+class ReadyIndex(KeyTable):
+    """Key -> DRAM slot of the plain READY blocks, changes applied in batches."""
+
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots, max_load=MAX_LOAD)
+        self._in = np.zeros(max(1, num_slots), dtype=bool)  # the slot's key is in the table
+        self._count = 0
+        self.changes: dict[bytes, int] = {}  # key -> its slot, or -1: out (written by set, unset, and the store)
+
+    def count(self) -> int:
+        """Keys in the table, once the changes noted are applied (applies them)."""
+        self.flush()
+        return self._count
+
+    def set(self, key: bytes, slot: int) -> None:
+        """``key``'s block in DRAM ``slot`` is plain READY (from the next lookup on)."""
+        self.changes[key] = slot
+
+    def unset(self, key: bytes) -> None:
+        """``key`` is not plain READY, or not in DRAM (a key never set is passed over)."""
+        self.changes[key] = -1
+
+    def flush(self) -> None:
+        """Apply the changes noted, vectorised: the keys changed leave the
+        table, then those set go in at their slots. A slot given to a key
+        while the table still holds another key there (which the store
+        never does: the other key is unset first) is taken from that key."""
+        changes = self.changes  # the same dict for the index's life: the store holds it too
+        if not changes:
+            return
+        n = len(changes)
+        joined = b"".join(changes)
+        if len(joined) != n * KEY_BYTES:  # the store admits 16-byte keys only: none other is ever set
+            for key in [k for k in changes if len(k) != KEY_BYTES]:
+                del changes[key]
+            n = len(changes)
+            joined = b"".join(changes)
+        want = np.frombuffer(joined, dtype="<u8").reshape(n, 2)
+        slots = np.fromiter(changes.values(), dtype=np.int64, count=n)
+        changes.clear()
+        found = self._find_array(want) if self._count else np.full(n, -1, dtype=np.int64)
+        new = slots >= 0
+        gone = np.concatenate([found[found >= 0], slots[new][self._in[slots[new]]]])
+        if gone.size:
+            gone = np.unique(gone)
+            self._delete_many(gone)
+            self._in[gone] = False
+            self._count -= int(gone.size)
+        if new.any():
+            add, first = np.unique(slots[new], return_index=True)  # one key a slot (see the docstring)
+            self._keys[add] = want[new][first]
+            self._insert_many(add)
+            self._in[add] = True
+            self._count += int(add.size)
+
+    def leading(self, want: np.ndarray) -> tuple[int, np.ndarray]:
+        """How many of the leading keys, given as an (n, 2) "<u8" array of
+        their halves, are in the index (a run that ends at the first key
+        that is not), and the slots of that run."""
+        self.flush()
+        if not self._count or not len(want) or self._find(want[0].tobytes())[1] < 0:
+            return 0, _NO_SLOTS  # a cold prompt: one key looked at
+        slots = self._find_array(want)
+        miss = np.flatnonzero(slots < 0)
+        n = int(miss[0]) if miss.size else len(want)
+        return n, slots[:n]
+
+    def keys_of(self, slots: np.ndarray) -> list[bytes]:
+        """The keys the table has for ``slots`` (each set, and not given
+        to another key since), as bytes."""
+        return np.frombuffer(self._key_bytes, dtype=_KEY_VOID)[slots].tolist()
+
+    def held(self) -> dict[bytes, int]:
+        """Every key in the table with its slot, each found again by lookup (tests)."""
+        self.flush()
+        out = {}
+        for slot in np.flatnonzero(self._in).tolist():
+            key = bytes(self._key_bytes[slot * KEY_BYTES : (slot + 1) * KEY_BYTES])
+            if self._find(key)[1] == slot:
+                out[key] = slot
+        return out
+
+
+def key_array(keys) -> np.ndarray | None:  # noqa: ANN001 - a sequence of bytes, or PackedKeys
+    """``keys`` as an (n, 2) "<u8" array of their halves, or None when one is not 16 bytes."""
+    array = getattr(keys, "array", None)
+    if array is not None:
+        return array()
+    joined = b"".join(keys)
+    if len(joined) != KEY_BYTES * len(keys):
+        return None
+    return np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
