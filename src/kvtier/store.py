@@ -381,12 +381,14 @@ class TieredStore:
         # evict_after (odd_keys_consistent, checked in the tests). Long
         # probes count the others in the ready index instead, which the set
         # keeps in step (_OddKeys). Only where probes come as one buffer
-        # (``ready_index``: the meta service's store): it costs a dict store
-        # a change, those of a save's blocks made at once (a 4,096-block
-        # save took as long with it as without, within the noise of the
-        # 2-core test machine).
-        self._ready = ReadyIndex(tier.num_slots) if ready_index else None
-        self._odd: set[bytes] = _OddKeys(self._entries, self._ready) if self._ready is not None else set()
+        # (``ready_index``: the meta service's store), and from the first
+        # such probe of PROBE_VECTOR_MIN keys or more on (_start_ready_locked):
+        # it costs a dict store a change, and a batch of array calls for
+        # every few hundred changes, which a pool whose probes are all
+        # shorter (64k tokens in 64-token blocks: 1,024 keys) never pays.
+        self._ready_wanted = ready_index
+        self._ready: ReadyIndex | None = None
+        self._odd: set[bytes] = set()
         # Keys pinned for a put to the cluster, with how many puts: with the
         # steps' pin lists, every pin there is (statistics counts from them).
         self._publishing: dict[bytes, int] = {}
@@ -533,9 +535,11 @@ class TieredStore:
         # Long probes find the leading plain READY keys in the ready index
         # instead, with a few array passes over the keys as one buffer.
         ready_state, promoting = EntryState.READY, EntryState.PROMOTING
-        want = keys.array() if self._ready is not None and isinstance(keys, PackedKeys) \
+        want = keys.array() if self._ready_wanted and isinstance(keys, PackedKeys) \
             and len(keys) >= PROBE_VECTOR_MIN else None
         with self._lock:
+            if want is not None and self._ready is None:
+                self._start_ready_locked()
             entries, ssd, odd = self._entries, self._ssd_entries, self._odd
             run_slots = None  # the slots of the plain run, from the ready index
             if want is not None:
@@ -615,6 +619,21 @@ class TieredStore:
         after = keys[total : total + self._cluster_lookup]
         remote = self._cluster.lookup(after.as_list() if isinstance(after, PackedKeys) else after)
         return Probe(ready, total + remote, remote)
+
+    def _start_ready_locked(self) -> None:
+        """Make the ready index from the entries held now (once: the first
+        long probe of keys in one buffer), and the odd set that keeps it in
+        step from here on. Costs a pass over the entries (C calls)."""
+        ready = ReadyIndex(self.tier.num_slots)
+        odd = _OddKeys(self._entries, ready)
+        set.update(odd, self._odd)
+        entries = self._entries
+        plain = [k for k in entries if k not in odd]
+        ready.changes.update(zip(plain, map(_slot_of, map(entries.__getitem__, plain))))
+        ready.flush()
+        self._ready, self._odd = ready, odd
+        log.info("kvtier: long lookups come as one buffer of keys: the ready index holds %d blocks from now on",
+                 len(plain))
 
     def _stalled_locked(self, key: bytes, e: _Entry) -> None:
         e.stalled = True

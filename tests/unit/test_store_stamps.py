@@ -160,3 +160,26 @@ def test_a_run_kept_for_later_keeps_its_place_among_stamped_runs(pair) -> None:
     served.refresh()
     assert list(sp.victims()) == list(pp.victims()) == [c[4]] + a[::-1] + b[::-1] + c[3::-1]
     assert served.odd_keys_consistent()
+
+
+def test_the_ready_index_is_made_at_the_first_long_probe(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pool whose probes are all short never keeps the index; the first
+    # long one makes it from what the store holds then, in every state.
+    monkeypatch.setattr(store_module, "PROBE_VECTOR_MIN", 4)
+    served, sp, plain, pp = pair()
+    a = [K(i) for i in range(10)]
+    save_ready([served], a, 0)
+    served.prepare_save([K(50), K(51)], 1)  # PENDING
+    served.pin([a[2]], 2)
+    assert served.discard([a[2]]) == 1  # pinned: doomed, not dropped
+    assert served.probe(P(a[:3]), refresh=False).ready == 2  # short: key by key
+    assert served._ready is None and served.odd_keys_consistent()
+    got = served.probe(P(a[:2] + [a[3], a[4]]), refresh=False)
+    assert served._ready is not None and (got.ready, got.total) == (4, 4)
+    assert served.odd_keys_consistent()
+    assert served._ready.held() == {k: served._entries[k].slot for k in a if k != a[2]}
+    assert served.probe(P(a), refresh=False).ready == 2  # stops at the doomed block
+    served.complete_step(2)  # the pin ends: the doomed block goes
+    served.complete_step(1)  # K(50), K(51) READY
+    assert served.probe(P([K(50), K(51), a[0], a[1]]), refresh=False).ready == 4
+    assert served.odd_keys_consistent()
