@@ -516,10 +516,12 @@ class TieredStore:
         (its pending "free once on SSD" is cancelled): the caller tells vLLM
         about the hit before it can pin it.
 
-        ``refresh=False``: the recency of the keys counted is refreshed by
-        the caller's call of :meth:`refresh` soon after (the meta service
-        makes it once its answer is sent: the moves in the LRU and the SSD
-        index are near half a probe of fresh keys), or before, by the store
+        ``refresh=False`` (the meta service): the recency of the keys
+        counted is refreshed later: a run counted in the ready index is
+        stamped and moved once something reads the recency orders (or past
+        STAMPS_PENDING_MAX stamped blocks, :meth:`settle`); another run by
+        the caller's :meth:`settle` or :meth:`refresh` soon after (the
+        service's, once its answer is sent), or before, by the store
         itself, when anything reads the recency orders in between."""
         absent = False  # the run stopped at a key held nowhere in the node pool
         # A 64k-token prompt of 16-token blocks is 4,096 keys, and the lookup
