@@ -190,7 +190,7 @@ def block_keys(seed: bytes, token_ids: Sequence[int] | np.ndarray, block_tokens:
     return out
 
 
-_KEY_VOID = np.dtype(f"V{KEY_BYTES}")  # raw bytes: tolist() gives every key whole, trailing zeros too
+KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")  # a key as raw bytes: tolist() gives every key whole, trailing zeros too
 
 
 class PackedKeys(Sequence[bytes]):
@@ -216,7 +216,7 @@ class PackedKeys(Sequence[bytes]):
 
     def as_list(self) -> list[bytes]:
         if self._list is None:
-            self._list = np.frombuffer(self.blob, dtype=_KEY_VOID).tolist()
+            self._list = np.frombuffer(self.blob, dtype=KEY_DTYPE).tolist()
         return self._list
 
     def __getitem__(self, i):  # noqa: ANN001, ANN204 - int or slice, as a list's

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.tier.key_table import KEY_BYTES, KeyTable
+from kvtier.keys import KEY_BYTES, KEY_DTYPE
+from kvtier.tier.key_table import KeyTable
 
 # A quarter full at most: a lookup's rounds end when its longest probe run
 # does, and the table is 16 bytes a DRAM slot (a 2 GiB pool of 64 KiB
 # blocks: 512 KiB).
 MAX_LOAD = 0.25
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
-_KEY_VOID = np.dtype(f"V{KEY_BYTES}")
 
 
 class ReadyIndex(KeyTable):
@@ -111,7 +111,7 @@ class ReadyIndex(KeyTable):
     def keys_of(self, slots: np.ndarray) -> list[bytes]:
         """The keys the table has for ``slots`` (each set, and not given
         to another key since), as bytes."""
-        return np.frombuffer(self._key_bytes, dtype=_KEY_VOID)[slots].tolist()
+        return np.frombuffer(self._key_bytes, dtype=KEY_DTYPE)[slots].tolist()
 
     def held(self) -> dict[bytes, int]:
         """Every key in the table with its slot, each found again by lookup (tests)."""
@@ -123,13 +123,3 @@ class ReadyIndex(KeyTable):
                 out[key] = slot
         return out
 
-
-def key_array(keys) -> np.ndarray | None:  # noqa: ANN001 - a sequence of bytes, or PackedKeys
-    """``keys`` as an (n, 2) "<u8" array of their halves, or None when one is not 16 bytes."""
-    array = getattr(keys, "array", None)
-    if array is not None:
-        return array()
-    joined = b"".join(keys)
-    if len(joined) != KEY_BYTES * len(keys):
-        return None
-    return np.frombuffer(joined, dtype="<u8").reshape(-1, 2)

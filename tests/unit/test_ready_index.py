@@ -13,9 +13,20 @@ import random
 import numpy as np
 import pytest
 
-from kvtier.keys import PackedKeys
-from kvtier.ready_index import ReadyIndex, key_array
+from kvtier.keys import KEY_BYTES, PackedKeys
+from kvtier.ready_index import ReadyIndex
 from kvtier.tier import key_table
+
+
+def key_array(keys) -> np.ndarray | None:  # noqa: ANN001 - a sequence of bytes, or PackedKeys
+    """``keys`` as an (n, 2) "<u8" array of their halves, or None when one is not 16 bytes."""
+    array = getattr(keys, "array", None)
+    if array is not None:
+        return array()
+    joined = b"".join(keys)
+    if len(joined) != KEY_BYTES * len(keys):
+        return None
+    return np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
 
 
 def K(i: int) -> bytes:

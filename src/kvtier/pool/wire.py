@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 
 from kvtier.config import SECONDS_MAX
+from kvtier.keys import KEY_DTYPE
 
 # 2: ProbeReply.remote (the cluster tier); 3: keys as one blob, Welcome.stats;
 # 4: Hello.promote_timeout_ms
@@ -64,7 +65,6 @@ _LEN = struct.Struct("<I")
 # (pack_keys / unpack_keys): a list of 4,096 MessagePack strings took ~65 us
 # to encode and as long to decode; one blob is a copy, split in C.
 Keys = bytes
-_KEY_ARRAY = np.dtype(f"V{KEY_BYTES}")  # raw bytes: tolist() gives every key whole, trailing zeros too
 
 
 class WireError(Exception):
@@ -230,7 +230,7 @@ def pack_keys(keys: Sequence[bytes]) -> bytes:
 
 def unpack_keys(blob: bytes) -> list[bytes]:
     """The keys of a message that :func:`decode_client` accepted."""
-    return np.frombuffer(blob, dtype=_KEY_ARRAY).tolist()
+    return np.frombuffer(blob, dtype=KEY_DTYPE).tolist()
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-KEY_BYTES = 16
+from kvtier.keys import KEY_BYTES
+
 _EMPTY = -1
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: test keys (small integers) spread as well as digests
 _M64 = (1 << 64) - 1
