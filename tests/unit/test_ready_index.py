@@ -103,9 +103,10 @@ def test_only_the_last_change_of_a_key_counts() -> None:
     assert ix.held() == {K(2): 5}
 
 
-def test_batched_lookup_finishes_long_runs_key_by_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Many keys with one home: one probe run, longer than the rounds go on
-    # for (key_table._TAIL); the last ones are found by _find, the same way.
+def test_batched_lookup_walks_long_runs_window_by_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Many keys with one home: one probe run, longer than one window of the
+    # batched walk (key_table._WINDOW), whatever the window; a key absent
+    # ends its walk at the run's end only.
     ix = ReadyIndex(256)
     home = ix.bucket(K(0))
     same = [k for k in (K(i) for i in range(200_000)) if ix.bucket(k) == home][:40]
@@ -115,9 +116,11 @@ def test_batched_lookup_finishes_long_runs_key_by_key(monkeypatch: pytest.Monkey
     ix.flush()
     missing = next(k for k in (K(i) for i in range(200_000, 400_000)) if ix.bucket(k) == home)
     ask = same + [missing]
-    for tail in (0, key_table._TAIL, 1000):
-        monkeypatch.setattr(key_table, "_TAIL", tail)
+    for window in (1, 3, key_table._WINDOW, 64):
+        monkeypatch.setattr(key_table, "_WINDOW", window)
+        monkeypatch.setattr(key_table, "_STEPS", np.arange(1, window + 1))
         assert ix._find_array(key_array(ask)).tolist() == list(range(40)) + [-1]
+        assert [ix._find(k)[1] for k in ask] == list(range(40)) + [-1]
         assert ix.leading(key_array(ask))[0] == 40
         assert ix.leading(key_array([missing] + same))[0] == 0
 
