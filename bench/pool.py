@@ -9,7 +9,10 @@ Three measurements, each against a peer measured in the same run:
   socket and over TCP on loopback. Peer: the same calls on a store in this
   process (:class:`~kvtier.placement.EmbeddedPlacement`, the embedded
   backend) holding the same keys, each call given them in new objects, as
-  a new request has them (:func:`fresh_keys`). The service's own time in
+  a new request has them (:func:`fresh_keys`). The service gets the keys
+  as the connector hands them, a :class:`~kvtier.keys.KeyRun` whose buffer
+  the client sends (the connector joins a request's keys once, as they
+  are made). The service's own time in
   its store comes from its /metrics (``kvtier_pool_rpc_seconds``, mean):
   the rest of a call is the wire (MessagePack both ways, the socket, two threads
   waking). Also the round trip of an empty request (``Ping``) on a raw
@@ -78,7 +81,7 @@ import httpx
 import numpy as np
 
 from kvtier.config import KvtierConfig, parse_size
-from kvtier.keys import KeyNamespace, block_keys
+from kvtier.keys import KeyNamespace, KeyRun, block_keys
 from kvtier.placement import EmbeddedPlacement, Placement, open_store
 from kvtier.pool import wire
 from kvtier.pool.client import PoolPlacement
@@ -295,7 +298,8 @@ def time_pins(placement: Placement, keys: list[bytes], n: int, first_step: int, 
 
 def run_lookup(args: argparse.Namespace) -> dict:
     blocks = (16, 64)
-    requests = {b: request_keys(b, args.tokens, b) for b in blocks}
+    # As the connector hands them: the list, and the buffer made with the keys.
+    requests = {b: KeyRun(k, b"".join(k)) for b in blocks for k in [request_keys(b, args.tokens, b)]}
     needed = sum(len(k) for k in requests.values())
     # Room for both requests below the low watermark (80 %): nothing is evicted.
     dram_bytes = -(-int(needed / 0.7 * (RANK_BYTES + 512)) // (2 << 20)) * (2 << 20)

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from kvtier.config import KvtierConfig
+from kvtier.keys import KeyRun
 from kvtier.pool import http as pool_http
 from kvtier.pool import service as pool_service
 from kvtier.pool import wire
@@ -873,6 +874,18 @@ def test_keys_travel_whole_whatever_their_bytes() -> None:
     assert wire.unpack_keys(wire.pack_keys([])) == []
     with pytest.raises(ValueError, match="16 bytes"):
         wire.pack_keys([bytes(16), b"short"])
+
+
+def test_a_key_run_travels_as_its_buffer_when_the_buffer_fits() -> None:
+    ks = [random.Random(i).randbytes(16) for i in range(5)]
+    run = KeyRun(ks, b"".join(ks))
+    assert wire.pack_keys(run) is run.packed  # sent as kept: no join
+    # A buffer that does not fit the list (shorter, longer) is not sent: the keys are joined.
+    for packed in (b"".join(ks[:4]), b"".join(ks) + bytes(16)):
+        assert wire.pack_keys(KeyRun(ks, packed)) == b"".join(ks)
+    assert wire.pack_keys(KeyRun(ks)) == b"".join(ks)
+    with pytest.raises(ValueError, match="16 bytes"):
+        wire.pack_keys(KeyRun([bytes(16), b"short"], bytes(17)))
 
 
 def test_complete_step_does_not_wait_and_its_answer_is_read_by_the_next_call(service: MetaService) -> None:

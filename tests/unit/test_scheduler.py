@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.connector.meta import StepReport
 from kvtier.connector.scheduler import SchedulerSide
-from kvtier.keys import KeyNamespace
+from kvtier.keys import KeyNamespace, KeyRun
 from kvtier.store import Probe, TieredStore
 from tests.unit.helpers import BLOCK
 from tests.unit.helpers import FakeBlocks as Blocks
@@ -334,3 +334,37 @@ def test_a_failure_reported_without_a_step_report_dooms_every_unsettled_step(
     for p in plans:
         finish(side, p.step)
     assert [store.probe(k) for k in keys.values()] == [Probe(0, 0)] * 3
+
+
+# --- keys sent as kept ------------------------------------------------------------
+
+
+def test_lookups_and_pins_get_the_requests_keys_with_their_buffer(side: SchedulerSide, store: TieredStore,
+                                                                  monkeypatch) -> None:
+    # The keys go to the placement as a KeyRun whose buffer is the same keys
+    # back to back (the pool's client sends it instead of joining them),
+    # however the request's keys grew, and for a pin that starts past
+    # vLLM's own hit.
+    seen: list = []
+    for name in ("probe", "pin"):
+        real = getattr(store, name)
+
+        def spy(keys, *args, real=real, **kw):
+            seen.append(keys)
+            return real(keys, *args, **kw)
+
+        monkeypatch.setattr(store, name, spy)
+    req = Req("r", tokens(2, base=900))
+    side.on_new_request(req)  # keys of blocks 0-1
+    req.all_token_ids += list(range(5000, 5000 + 3 * BLOCK))  # 3 more blocks: 5 in all, the prompt grew
+    keys = side._keys(side._state(req), req.num_tokens - 1)
+    assert len(keys) == 5
+    assert len(store.prepare_save(keys, 0)) == 5
+    store.complete_step(0)
+    assert side.get_num_new_matched_tokens(req, 2 * BLOCK) == (3 * BLOCK, False)
+    side.kv_cache_manager.blocks["r"] = list(range(10, 16))
+    side.update_state_after_alloc(req, Blocks(list(range(10, 16))), 3 * BLOCK)
+    assert [len(k) for k in seen] == [5, 3]  # the lookup of the whole prompt, the pin of blocks 2-4
+    assert seen[1] == keys[2:]
+    for k in seen:
+        assert isinstance(k, KeyRun) and k.packed == b"".join(k)

@@ -35,7 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.meta import BlockCopy, StepPlan, StepReport
 from kvtier.connector.stats import GAUGES, KvtierStats
-from kvtier.keys import KeyNamespace, block_keys, digest16
+from kvtier.keys import KEY_BYTES, KeyNamespace, KeyRun, block_keys, digest16
 from kvtier.placement import EmbeddedPlacement, Placement
 from kvtier.store import TieredStore
 
@@ -54,6 +54,7 @@ AFTER_LOAD_STEPS = 16
 class _ReqState:
     request: Any
     keys: list[bytes] = field(default_factory=list)
+    packed: bytes = b""  # the same keys back to back (KeyRun.packed)
     saved_blocks: int = 0  # blocks [0, saved_blocks) are saved or were planned
     device_tokens: int = 0  # vLLM's own hit, from the last lookup
     hit_blocks: int = 0  # pool-held leading blocks, from the last lookup
@@ -65,6 +66,14 @@ class _ReqState:
     seed: bytes = b""  # the chain's seed: the namespace, plus the request's LoRA and cache salt
     uncacheable: bool = False  # multimodal or embedding inputs: tokens alone do not name the KV
     planned_tokens: int | None = None  # its computed tokens once its last planned step is computed
+
+
+def _run(st: _ReqState, first: int, last: int) -> KeyRun:
+    """Keys ``first`` to ``last`` of a request, the list and the buffer (each
+    copied once, the buffer not at all when they are all of its keys)."""
+    if first == 0 and last >= len(st.keys):
+        return KeyRun(st.keys, st.packed)
+    return KeyRun(st.keys[first:last], st.packed[first * KEY_BYTES : last * KEY_BYTES])
 
 
 class SchedulerSide:
@@ -200,8 +209,9 @@ class SchedulerSide:
             return None
         return ident
 
-    def _keys(self, st: _ReqState, num_tokens: int) -> list[bytes]:
-        """Keys of the full blocks among the request's first ``num_tokens`` tokens."""
+    def _keys(self, st: _ReqState, num_tokens: int, run: bool = False) -> list[bytes]:
+        """Keys of the full blocks among the request's first ``num_tokens``
+        tokens; ``run``: as a :class:`KeyRun`, for calls that may send them."""
         want = num_tokens // self.block_tokens
         have = len(st.keys)
         if want > have:
@@ -209,11 +219,12 @@ class SchedulerSide:
             want = min(want, len(tokens) // self.block_tokens)
             if want > have:
                 end = want * self.block_tokens
-                st.keys.extend(block_keys(st.seed, tokens[have * self.block_tokens : end], self.block_tokens)
-                               if have == 0 else
-                               block_keys(st.seed, tokens[:end], self.block_tokens, start=have,
-                                          parent=st.keys[-1]))
-        return st.keys[:want]
+                new = (block_keys(st.seed, tokens[have * self.block_tokens : end], self.block_tokens)
+                       if have == 0 else
+                       block_keys(st.seed, tokens[:end], self.block_tokens, start=have, parent=st.keys[-1]))
+                st.keys.extend(new)
+                st.packed += b"".join(new)
+        return _run(st, 0, want) if run else st.keys[:want]
 
     # --- vLLM hooks -------------------------------------------------------
 
@@ -231,7 +242,7 @@ class SchedulerSide:
             return 0, False
         # At least one token must be computed to produce logits.
         limit = request.num_tokens - 1
-        keys = self._keys(st, limit)
+        keys = self._keys(st, limit, run=True)
         ready, total, remote = self._lookup(keys, num_computed_tokens)
         hit = ready
         if total > ready and total * self.block_tokens > num_computed_tokens:
@@ -298,7 +309,7 @@ class SchedulerSide:
         first = st.device_tokens // self.block_tokens
         last = (st.device_tokens + num_external_tokens) // self.block_tokens
         block_ids = blocks.get_block_ids()[0]
-        keys = st.keys[first:last]
+        keys = _run(st, first, last)
         st.load_keys = keys
         marks = self._rewind.setdefault(self._step, {})
         marks[request.request_id] = min(marks.get(request.request_id, first), first)

@@ -32,13 +32,12 @@ import msgspec
 import numpy as np
 
 from kvtier.config import SECONDS_MAX
-from kvtier.keys import KEY_DTYPE
+from kvtier.keys import KEY_BYTES, KEY_DTYPE
 
 # 2: ProbeReply.remote (the cluster tier); 3: keys as one blob, Welcome.stats;
 # 4: Hello.promote_timeout_ms
 PROTOCOL_VERSION = 4
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
-KEY_BYTES = 16
 # An engine's steps count up from 0; a service's own reset dooms every step
 # above -2**62 (service._LOW_STEP), so no step of a session may be at or below it.
 Step = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
@@ -218,7 +217,11 @@ _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:
-    """Block keys as the wire carries them."""
+    """Block keys as the wire carries them: the buffer of a :class:`KeyRun`
+    that has one, the keys joined otherwise."""
+    packed = getattr(keys, "packed", None)
+    if packed is not None and len(packed) == KEY_BYTES * len(keys):
+        return packed
     blob = b"".join(keys)
     # The total only: the keys are kvtier's own digests. Checking each one
     # (even in C, min(map(len, keys))) cost 60 us for 4,096 keys, three
