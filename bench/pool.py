@@ -19,6 +19,9 @@ Three measurements, each against a peer measured in the same run:
   session, the wire alone. Goal: p99 <= 1 ms through the service.
   Then the load's next call, the pin of the 4,096 keys (each pin's step
   completed, not timed, before the next), the same ways.
+  ``--against SRC``: instead, the probes to this tree's service and to one
+  running the code of SRC (an export of another commit's ``src``), in turn
+  from one client, 50 calls each at a time (:func:`run_lookup_against`).
   ``--gap-ms``: a pause between calls, not timed (a scheduler probes a
   request, then runs steps); back to back, a probe also waits for the
   service to finish refreshing the previous probe's run.
@@ -51,7 +54,7 @@ Three measurements, each against a peer measured in the same run:
   identical configurations).
 
 Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--json out.json]
-       lookup: [--tokens 65536] [--reps 1000] [--ssd] [--gap-ms 0]
+       lookup: [--tokens 65536] [--reps 1000] [--ssd] [--gap-ms 0] | [--against SRC [--transport unix]]
        scale:  [--clients 1,2,4] [--transport tcp|unix] [--shared-blocks 1024] [--own-blocks 32]
        ttft:   [--geometry bench] [--prompt-tokens 8192] [--rounds 5] [--hit-reps 3] [--gap 2.0]
                [--concurrency 8] [--tput-reps 4] [--dram-size 2GB] [--hits-only | --no-hits]
@@ -97,6 +100,7 @@ GOAL_POOL_OVER_EMBEDDED = 0.05  # within 5 %
 GOAL_NO_HIT = 0.03  # within 3 %
 RANK_BYTES = 4096  # the index's cost does not depend on the block's size; a small arena does
 RANKS = 1
+AGAINST_BLOCK = 50  # lookup --against: calls to one service before the other's turn
 SSD_SIZE = "256MB"  # lookup --ssd: an SSD tier larger than the keys probed (its size does not change a probe)
 
 
@@ -142,9 +146,10 @@ def write_configs(folder: Path, url: str, dram_size: str, shm_dir: str,
 
 @contextmanager
 def meta_service(transport: str, dram_size: str, warm_interval: float | None = None,
-                 ssd: bool = False) -> Iterator[MetaProcess]:
+                 ssd: bool = False, env: dict[str, str] | None = None) -> Iterator[MetaProcess]:
     """A meta service on a Unix socket or on TCP loopback, its files, socket,
-    log, arena and (``ssd``) SSD file in temporary folders removed on exit."""
+    log, arena and (``ssd``) SSD file in temporary folders removed on exit;
+    ``env``: more environment variables of its process."""
     folder = Path(tempfile.mkdtemp(prefix="kvtier-bench-pool-"))
     shm = ""
     try:  # the folders go whatever fails after they are made
@@ -152,7 +157,7 @@ def meta_service(transport: str, dram_size: str, warm_interval: float | None = N
         url = f"unix://{folder}/meta.sock" if transport == "unix" else f"tcp://127.0.0.1:{free_port()}"
         meta_conf, local_conf = write_configs(folder, url, dram_size, shm, warm_interval,
                                               ssd_file=str(folder / "ssd") if ssd else None)
-        proc = MetaProcess(meta_conf, local_conf, log_path=folder / "meta.log")
+        proc = MetaProcess(meta_conf, local_conf, log_path=folder / "meta.log", env=env)
         with proc:
             yield proc
     finally:
@@ -362,6 +367,63 @@ def run_lookup(args: argparse.Namespace) -> dict:
                     tier.close()
                     pool.shutdown()
     return out
+
+
+def run_lookup_against(args: argparse.Namespace) -> dict:
+    """Probes of one client to two meta services in turn: one running this
+    tree's code, one the code at ``args.against`` (a ``src`` folder, an
+    export of another commit), in blocks of ``AGAINST_BLOCK`` calls, the
+    order swapped every block, so both see the same noise (on a noisy host
+    two runs one after the other differ more than the versions do). The
+    client's code is this tree's for both."""
+    blocks = (16, 64)
+    requests = {b: KeyRun(k, b"".join(k)) for b in blocks for k in [request_keys(b, args.tokens, b)]}
+    needed = sum(len(k) for k in requests.values())
+    dram_bytes = -(-int(needed / 0.7 * (RANK_BYTES + 512)) // (2 << 20)) * (2 << 20)
+    rounds = max(2, args.reps // AGAINST_BLOCK)
+    transport = "unix" if args.transport == "unix" else "tcp"
+    out: dict = {"tokens": args.tokens, "reps": rounds * AGAINST_BLOCK, "against": args.against,
+                 "transport": transport, "rows": []}
+    with ExitStack() as stack:
+        pools: dict[str, PoolPlacement] = {}
+        metas: dict[str, MetaProcess] = {}
+        for side, src in (("this tree", None), ("against", args.against)):
+            env = {"PYTHONPATH": os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])} \
+                if src else None
+            meta = stack.enter_context(meta_service(transport, str(dram_bytes), env=env))
+            pool = PoolPlacement(meta.address, ranks=RANKS, rank_bytes=RANK_BYTES, name=f"bench-{side}")
+            stack.callback(pool.shutdown)
+            tier = DramTier.attach(pool.arena_path)
+            stack.callback(tier.close)
+            for b, keys in requests.items():
+                assert save(pool, tier, keys, step=b) == len(keys), "the pool had no room"
+                assert pool.probe(keys).ready == len(keys)
+            pools[side], metas[side] = pool, meta
+        for b, keys in requests.items():
+            times: dict[str, list[float]] = {side: [] for side in pools}
+            before = {side: service_probe_seconds(m) for side, m in metas.items()}
+            for r in range(rounds):
+                for side in (list(pools) if r % 2 == 0 else list(pools)[::-1]):
+                    times[side] += time_calls(lambda: pools[side].probe(keys), AGAINST_BLOCK)
+            after = {side: service_probe_seconds(m) for side, m in metas.items()}
+            out["rows"].append({"block": b, "keys": len(keys), "times_s": times, "in_store_s": {
+                side: (after[side][0] - before[side][0]) / max(1.0, after[side][1] - before[side][1])
+                for side in pools}})
+    return out
+
+
+def print_lookup_against(res: dict) -> None:
+    via = "Unix socket" if res["transport"] == "unix" else "TCP loopback"
+    print(f"\n## Lookup of a {res['tokens']}-token request: this tree's meta service against "
+          f"{res['against']}'s, in turn ({res['reps']} calls each, {via})\n")
+    print("| probe | this tree, p50 / p99 (us) | against, p50 / p99 (us) | in the store, mean, this / against (us) "
+          "| this / against, p50 | this / against, p99 |")
+    print("|---|---|---|---|---|---|")
+    for row in res["rows"]:
+        (a50, a99), (b50, b99) = (percentiles_us(row["times_s"][side]) for side in ("this tree", "against"))
+        st = row["in_store_s"]
+        print(f"| {row['keys']} keys (block {row['block']}) | {a50:.0f} / {a99:.0f} | {b50:.0f} / {b99:.0f} | "
+              f"{st['this tree'] * 1e6:.0f} / {st['against'] * 1e6:.0f} | {a50 / b50:.2f}x | {a99 / b99:.2f}x |")
 
 
 def print_lookup(res: dict) -> None:
@@ -939,9 +1001,13 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"lookup: the service and the store in this process with an SSD tier ({SSD_SIZE} file)")
     ap.add_argument("--gap-ms", type=float, default=0.0,
                     help="lookup: pause between calls, not timed (0: back to back)")
+    ap.add_argument("--against", default=None, metavar="SRC",
+                    help="lookup: probe this tree's service and one running the code of SRC (an export of "
+                         "another commit's src folder) in turn, instead of the usual measures (--transport)")
     ap.add_argument("--seconds", type=float, default=10.0, help="scale: seconds per number of instances")
     ap.add_argument("--clients", default="1,2,4", help="scale: numbers of client processes")
-    ap.add_argument("--transport", choices=("tcp", "unix"), default="tcp", help="scale: the service's socket")
+    ap.add_argument("--transport", choices=("tcp", "unix"), default="tcp",
+                    help="scale, lookup --against: the service's socket")
     ap.add_argument("--shared-blocks", type=int, default=1024, help="scale: blocks of the prefix all share")
     ap.add_argument("--own-blocks", type=int, default=32, help="scale: blocks each client saves per loop")
     ap.add_argument("--geometry", default="bench", help="ttft: test model (kvtier.tools.model.GEOMETRIES)")
@@ -987,6 +1053,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {}
     steps = [("lookup", run_lookup, print_lookup), ("scale", run_scale, print_scale),
              ("ttft", run_ttft, print_ttft)]
+    if args.against is not None:
+        if args.what != "lookup":
+            ap.error("--against goes with lookup only")
+        if not os.path.isdir(os.path.join(args.against, "kvtier")):
+            ap.error(f"--against {args.against}: no kvtier package there (give the src folder of an export)")
+        steps = [("lookup", run_lookup_against, print_lookup_against)]
     for name, run, show in steps:
         if args.what in (name, "all"):
             results[name] = run(args)

@@ -105,3 +105,26 @@ def test_a_store_that_fails_to_open_leaves_no_folder(pool, monkeypatch):
         with pool.embedded_store(1 << 20, ssd=True):
             pass
     assert {p for r in roots for p in glob.glob(os.path.join(r, "kvtier-bench-pool-*"))} == before
+
+
+def test_lookup_against_another_tree_runs_its_service_from_that_tree(pool, tmp_path):
+    # The other service imports kvtier from the folder given (here a copy of
+    # this tree's, which leaves a mark when imported); the probes alternate
+    # in blocks, the same number to each.
+    import shutil
+
+    src = Path(pool.__file__).resolve().parents[1] / "src"
+    other = tmp_path / "src"
+    shutil.copytree(src / "kvtier", other / "kvtier", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(other / "kvtier" / "__init__.py", "a") as f:
+        f.write("\nimport pathlib as _p\n_p.Path(__file__).with_name('imported-here').touch()\n")
+    args = argparse.Namespace(tokens=1024, reps=2 * pool.AGAINST_BLOCK, against=str(other), transport="unix")
+    out = pool.run_lookup_against(args)
+    assert (other / "kvtier" / "imported-here").exists()
+    assert sorted(r["keys"] for r in out["rows"]) == [16, 64]
+    for row in out["rows"]:
+        assert {k: len(v) for k, v in row["times_s"].items()} == {"this tree": 100, "against": 100}
+        assert min(row["in_store_s"].values()) > 0
+    pool.print_lookup_against(out)
+    with pytest.raises(SystemExit):
+        pool.main(["lookup", "--against", str(tmp_path / "nothing")])
