@@ -56,8 +56,10 @@ class KeyTable:
 
     def _homes(self, k: np.ndarray) -> np.ndarray:
         """Home positions of keys given as (n, 2) little-endian uint64 halves."""
-        h = (k[:, 0] ^ k[:, 1]) * np.uint64(_MIX)  # arrays wrap without a warning (scalars would warn)
-        return (h >> np.uint64(self._shift)).astype(np.int64)
+        h = k[:, 0] ^ k[:, 1]
+        h *= np.uint64(_MIX)  # arrays wrap without a warning (scalars would warn)
+        h >>= np.uint64(self._shift)  # at least one bit: a position fits an int64 as it is
+        return h.view(np.int64)
 
     def _buckets(self, slots: np.ndarray) -> np.ndarray:
         return self._homes(self._keys[slots])
