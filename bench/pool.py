@@ -387,9 +387,9 @@ def run_lookup_against(args: argparse.Namespace) -> dict:
     with ExitStack() as stack:
         pools: dict[str, PoolPlacement] = {}
         metas: dict[str, MetaProcess] = {}
-        for side, src in (("this tree", None), ("against", args.against)):
-            env = {"PYTHONPATH": os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])} \
-                if src else None
+        here = Path(__file__).resolve().parents[1] / "src"  # this tree's, whatever PYTHONPATH says
+        for side, src in (("this tree", str(here)), ("against", args.against)):
+            env = {"PYTHONPATH": os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")])}
             meta = stack.enter_context(meta_service(transport, str(dram_bytes), env=env))
             pool = PoolPlacement(meta.address, ranks=RANKS, rank_bytes=RANK_BYTES, name=f"bench-{side}")
             stack.callback(pool.shutdown)

@@ -125,6 +125,24 @@ def test_batched_lookup_walks_long_runs_window_by_window(monkeypatch: pytest.Mon
         assert ix.leading(key_array([missing] + same))[0] == 0
 
 
+def test_a_key_asked_where_its_home_is_empty_is_absent_though_the_last_slot_kept_it() -> None:
+    # An empty position reads the last slot's key in the batched lookup: a
+    # key that left the table but whose bytes the last slot still holds
+    # must come out absent, not at slot -1 nor at any other.
+    ix = ReadyIndex(8)
+    last, other = K(7), K(3)
+    ix.set(last, 7)
+    ix.set(other, 2)
+    ix.flush()
+    assert ix._find_array(key_array([last, other])).tolist() == [7, 2]
+    ix.unset(last)
+    ix.flush()
+    assert bytes(ix._key_bytes[7 * KEY_BYTES :]) == last  # the bytes stay in the slot
+    assert ix._find_array(key_array([last, other])).tolist() == [-1, 2]
+    assert ix.leading(key_array([other, last]))[0] == 1
+    assert ix.held() == {other: 2}
+
+
 def test_a_table_of_no_slots_finds_nothing() -> None:
     ix = ReadyIndex(0)
     assert ix.leading(key_array([K(1), K(2)]))[0] == 0

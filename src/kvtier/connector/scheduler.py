@@ -54,7 +54,7 @@ AFTER_LOAD_STEPS = 16
 class _ReqState:
     request: Any
     keys: list[bytes] = field(default_factory=list)
-    packed: bytes = b""  # the same keys back to back (KeyRun.packed)
+    packed: bytearray = field(default_factory=bytearray)  # the same keys back to back (KeyRun.packed)
     saved_blocks: int = 0  # blocks [0, saved_blocks) are saved or were planned
     device_tokens: int = 0  # vLLM's own hit, from the last lookup
     hit_blocks: int = 0  # pool-held leading blocks, from the last lookup
@@ -69,11 +69,12 @@ class _ReqState:
 
 
 def _run(st: _ReqState, first: int, last: int) -> KeyRun:
-    """Keys ``first`` to ``last`` of a request, the list and the buffer (each
-    copied once, the buffer not at all when they are all of its keys)."""
+    """Keys ``first`` to ``last`` of a request, the list and the buffer, each
+    copied once (a copy of 64 KiB costs a tenth of joining 4,096 keys; the
+    request's own buffer grows in place as its keys are made)."""
     if first == 0 and last >= len(st.keys):
-        return KeyRun(st.keys, st.packed)
-    return KeyRun(st.keys[first:last], st.packed[first * KEY_BYTES : last * KEY_BYTES])
+        return KeyRun(st.keys, bytes(st.packed))
+    return KeyRun(st.keys[first:last], bytes(memoryview(st.packed)[first * KEY_BYTES : last * KEY_BYTES]))
 
 
 class SchedulerSide:

@@ -89,8 +89,8 @@ class KeyTable:
         probe run)."""
         pos = self._homes(want)
         # take() with native ints: a fancy index of int32 slots into a strided
-        # half cost twice as much (~37 against ~8 us for 4,096 keys, and
-        # the rows come whole: both halves in one gather).
+        # half cost four times as much (~37 against ~8 us for 4,096 keys),
+        # and the rows come whole: both halves in one gather.
         s = self._table.take(pos).astype(np.intp)
         got = self._keys.take(s, axis=0)
         match = (got[:, 0] == want[:, 0]) & (got[:, 1] == want[:, 1])
@@ -102,8 +102,8 @@ class KeyTable:
 
     def _walk(self, want: np.ndarray, at: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
         """Go on with the walks of keys ``want`` (rows ``idx`` of ``out``)
-        from table positions ``at``, ``_WINDOW`` positions a round: a round
-        costs its array calls whatever its size, and at the loads used a
+        from table positions ``at``, the positions of ``_STEPS`` a round: a
+        round costs its array calls whatever its size, and at the loads used a
         window ends nearly every walk (a found key, or an empty position)."""
         table, mask = self._table, self._mask
         k0, k1 = self._keys[:, 0], self._keys[:, 1]
@@ -116,7 +116,7 @@ class KeyTable:
             on = (found < 0) & (near.min(axis=1) >= 0)  # neither the key nor an empty position yet
             if not on.any():
                 return
-            idx, want, at = idx[on], want[on], at[on] + _WINDOW
+            idx, want, at = idx[on], want[on], at[on] + len(_STEPS)
 
     def _delete_at(self, pos: int) -> None:
         """Empty table position ``pos``, shifting later members of its probe run back (no tombstones)."""

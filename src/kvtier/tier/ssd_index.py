@@ -225,9 +225,10 @@ class SsdIndex(KeyTable):
         """Slots of ``keys`` (int64, -1 where not held), vectorised.
 
         The lookup of a long prompt asks for thousands of keys at once; one
-        :meth:`_find` per key costs ~0.3 us each in Python. Here every key
-        walks its probe run in the same rounds :meth:`_delete_many` uses, a
-        few array passes per round. A key that is not 16 bytes is never held.
+        :meth:`_find` per key costs ~0.3 us each in Python. Here the keys
+        are looked up together (:meth:`KeyTable._find_array`: a round of
+        array passes at their homes, then windows for the few that walk
+        on). A key that is not 16 bytes is never held.
         """
         n = len(keys)
         out = np.full(n, -1, dtype=np.int64)
