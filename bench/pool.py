@@ -301,13 +301,26 @@ def time_pins(placement: Placement, keys: list[bytes], n: int, first_step: int, 
     return out
 
 
-def run_lookup(args: argparse.Namespace) -> dict:
-    blocks = (16, 64)
-    # As the connector hands them: the list, and the buffer made with the keys.
-    requests = {b: KeyRun(k, b"".join(k)) for b in blocks for k in [request_keys(b, args.tokens, b)]}
+def lookup_requests(tokens: int) -> tuple[dict[int, KeyRun], int]:
+    """The lookup's requests of ``tokens`` tokens by block size (16 and 64),
+    their keys as the connector hands them (the list, and the buffer made
+    with the keys), and the DRAM bytes that hold both below the low
+    watermark (80 %): nothing is evicted."""
+    requests = {b: KeyRun(k, b"".join(k)) for b in (16, 64) for k in [request_keys(b, tokens, b)]}
     needed = sum(len(k) for k in requests.values())
-    # Room for both requests below the low watermark (80 %): nothing is evicted.
-    dram_bytes = -(-int(needed / 0.7 * (RANK_BYTES + 512)) // (2 << 20)) * (2 << 20)
+    return requests, -(-int(needed / 0.7 * (RANK_BYTES + 512)) // (2 << 20)) * (2 << 20)
+
+
+def save_requests(placement: Placement, tier: DramTier, requests: dict[int, KeyRun], step: int | None = None) -> None:
+    """Save every request (in step ``step``, or in the step of its block size), then check that a probe finds it."""
+    for b, keys in requests.items():
+        assert save(placement, tier, keys, step=b if step is None else step) == len(keys), "no room for a request"
+        assert placement.probe(keys).ready == len(keys)
+
+
+def run_lookup(args: argparse.Namespace) -> dict:
+    requests, dram_bytes = lookup_requests(args.tokens)
+    blocks = tuple(requests)
     rounds = 10  # the service's and the in-process probes alternate in rounds: both see the same noise
     per_round = max(1, args.reps // rounds)
     gap = args.gap_ms / 1000
@@ -316,9 +329,7 @@ def run_lookup(args: argparse.Namespace) -> dict:
 
     with embedded_store(dram_bytes, ssd=args.ssd) as local:
         out["embedded_ssd_slots"] = local.store.ssd.num_slots if local.store.ssd is not None else 0
-        for b, keys in requests.items():
-            assert save(local, local.store.tier, keys, step=0) == len(keys)
-            assert local.probe(keys).ready == len(keys)
+        save_requests(local, local.store.tier, requests, step=0)
         for transport in ("unix", "tcp"):
             with meta_service(transport, str(dram_bytes), ssd=args.ssd) as meta:
                 pool = PoolPlacement(meta.address, ranks=RANKS, rank_bytes=RANK_BYTES, name="bench-lookup")
@@ -326,9 +337,7 @@ def run_lookup(args: argparse.Namespace) -> dict:
                 try:
                     m = parse_metrics(httpx.get(meta.metrics_url + "/metrics", timeout=10).text)
                     out.setdefault("ssd_bytes", {})[transport] = m.get('kvtier_pool_capacity_bytes{tier="ssd"}', 0.0)
-                    for b, keys in requests.items():
-                        assert save(pool, tier, keys, step=b) == len(keys), "the pool had no room"
-                        assert pool.probe(keys).ready == len(keys)
+                    save_requests(pool, tier, requests)
                     for b, keys in requests.items():
                         remote: list[float] = []
                         here: list[float] = []
@@ -376,10 +385,7 @@ def run_lookup_against(args: argparse.Namespace) -> dict:
     order swapped every block, so both see the same noise (on a noisy host
     two runs one after the other differ more than the versions do). The
     client's code is this tree's for both."""
-    blocks = (16, 64)
-    requests = {b: KeyRun(k, b"".join(k)) for b in blocks for k in [request_keys(b, args.tokens, b)]}
-    needed = sum(len(k) for k in requests.values())
-    dram_bytes = -(-int(needed / 0.7 * (RANK_BYTES + 512)) // (2 << 20)) * (2 << 20)
+    requests, dram_bytes = lookup_requests(args.tokens)
     rounds = max(2, args.reps // AGAINST_BLOCK)
     transport = "unix" if args.transport == "unix" else "tcp"
     out: dict = {"tokens": args.tokens, "reps": rounds * AGAINST_BLOCK, "against": args.against,
@@ -395,9 +401,7 @@ def run_lookup_against(args: argparse.Namespace) -> dict:
             stack.callback(pool.shutdown)
             tier = DramTier.attach(pool.arena_path)
             stack.callback(tier.close)
-            for b, keys in requests.items():
-                assert save(pool, tier, keys, step=b) == len(keys), "the pool had no room"
-                assert pool.probe(keys).ready == len(keys)
+            save_requests(pool, tier, requests)
             pools[side], metas[side] = pool, meta
         for b, keys in requests.items():
             times: dict[str, list[float]] = {side: [] for side in pools}
