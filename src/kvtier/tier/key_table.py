@@ -26,9 +26,9 @@ from kvtier.keys import KEY_BYTES
 _EMPTY = -1
 _MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: test keys (small integers) spread as well as digests
 _M64 = (1 << 64) - 1
-# Positions a batch lookup looks at in one round once past the keys' homes.
-_WINDOW = 8
-_STEPS = np.arange(1, _WINDOW + 1)
+# Offsets a batch lookup looks at in one round once past the keys' homes
+# (a window of 8 positions); a round moves on by the window's length.
+_WINDOW = np.arange(1, 9)
 
 
 class KeyTable:
@@ -102,13 +102,13 @@ class KeyTable:
 
     def _walk(self, want: np.ndarray, at: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
         """Go on with the walks of keys ``want`` (rows ``idx`` of ``out``)
-        from table positions ``at``, the positions of ``_STEPS`` a round: a
+        from table positions ``at``, the positions of ``_WINDOW`` a round: a
         round costs its array calls whatever its size, and at the loads used a
         window ends nearly every walk (a found key, or an empty position)."""
         table, mask = self._table, self._mask
         k0, k1 = self._keys[:, 0], self._keys[:, 1]
         while True:
-            near = table[(at[:, None] + _STEPS) & mask]
+            near = table[(at[:, None] + _WINDOW) & mask]
             match = (k0[near] == want[:, :1]) & (k1[near] == want[:, 1:])
             # One position at most holds the key; a match at an empty one reads -1.
             found = np.where(match, near, -1).max(axis=1)
@@ -116,7 +116,7 @@ class KeyTable:
             on = (found < 0) & (near.min(axis=1) >= 0)  # neither the key nor an empty position yet
             if not on.any():
                 return
-            idx, want, at = idx[on], want[on], at[on] + len(_STEPS)
+            idx, want, at = idx[on], want[on], at[on] + len(_WINDOW)
 
     def _delete_at(self, pos: int) -> None:
         """Empty table position ``pos``, shifting later members of its probe run back (no tombstones)."""
