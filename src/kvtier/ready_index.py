@@ -25,29 +25,61 @@ a hit a miss (or a miss that the pin then finds), never hand out the
 wrong slot. The store checks the index against its entries in the tests
 (:meth:`TieredStore.odd_keys_consistent`). Not thread safe: called under
 the store's lock.
+
+The meta service keeps it in a file of shared memory that instances map
+(pool/readymap.py): :data:`HEADER` first, with a sequence number that
+:meth:`flush` makes odd while it changes the table and even again after (a
+seqlock), then the key table. An instance counts a run there without a
+call; the count is as good as the service's own, since either is checked
+by the pin.
 """
 
 from __future__ import annotations
 
+import struct
+import time
+
 import numpy as np
 
 from kvtier.keys import KEY_BYTES, KEY_DTYPE
-from kvtier.tier.key_table import KeyTable
+from kvtier.tier.key_table import NO_SLOTS, KeyTable
 
 # A quarter full at most: a lookup's rounds end when its longest probe run
 # does, and the table is 16 bytes a DRAM slot (a 2 GiB pool of 64 KiB
 # blocks: 512 KiB).
 MAX_LOAD = 0.25
-_NO_SLOTS = np.zeros(0, dtype=np.int64)
+# The shared form's memory: this header (magic, sequence number, slots,
+# hash table positions) in its first HEADER_BYTES, then the key table.
+HEADER = struct.Struct("<8sQQQ")
+MAGIC = b"kvtready"
+HEADER_BYTES = 64
+
+
+def memory_bytes(num_slots: int) -> int:
+    """Bytes of the shared form's memory for ``num_slots`` DRAM slots."""
+    key_bytes, size = KeyTable.sizes(num_slots, MAX_LOAD)
+    return HEADER_BYTES + key_bytes + size * 4
 
 
 class ReadyIndex(KeyTable):
     """Key -> DRAM slot of the plain READY blocks, changes applied in batches."""
 
-    def __init__(self, num_slots: int) -> None:
-        super().__init__(num_slots, max_load=MAX_LOAD)
+    def __init__(self, num_slots: int, memory: memoryview | None = None) -> None:
+        """``memory``: :func:`memory_bytes` of shared memory to keep the
+        table in, header first (the meta service's); its own otherwise."""
+        self.shared = memory is not None
+        if memory is None:
+            super().__init__(num_slots, max_load=MAX_LOAD)
+            self._seq = np.zeros(1, dtype="<u8")
+        else:
+            if len(memory) < memory_bytes(num_slots):
+                raise ValueError(f"{len(memory)} bytes hold no ready index of {num_slots} slots")
+            super().__init__(num_slots, max_load=MAX_LOAD, memory=memory[HEADER_BYTES:])
+            HEADER.pack_into(memory, 0, MAGIC, 0, num_slots, len(self._table))
+            self._seq = np.frombuffer(memory, dtype="<u8", count=1, offset=8)
         self._in = np.zeros(max(1, num_slots), dtype=bool)  # the slot's key is in the table
         self._count = 0
+        self.flushed_at = 0.0  # time.monotonic() of the last flush
         self.changes: dict[bytes, int] = {}  # key -> its slot, or -1: out (written by set, unset, and the store)
 
     def count(self) -> int:
@@ -71,6 +103,7 @@ class ReadyIndex(KeyTable):
         changes = self.changes  # the same dict for the index's life: the store holds it too
         if not changes:
             return
+        self.flushed_at = time.monotonic()
         n = len(changes)
         joined = b"".join(changes)
         if len(joined) != n * KEY_BYTES:  # the store admits 16-byte keys only: none other is ever set
@@ -83,6 +116,7 @@ class ReadyIndex(KeyTable):
         changes.clear()
         found = self._find_array(want) if self._count else np.full(n, -1, dtype=np.int64)
         new = slots >= 0
+        self._seq += 1  # odd: readers of the shared form look again, or ask the service
         gone = np.concatenate([found[found >= 0], slots[new][self._in[slots[new]]]])
         if gone.size:
             gone = np.unique(gone)
@@ -95,18 +129,21 @@ class ReadyIndex(KeyTable):
             self._insert_many(add)
             self._in[add] = True
             self._count += int(add.size)
+        self._seq += 1  # even: whole again (left odd by a failure on the way: readers ask the service)
 
     def leading(self, want: np.ndarray) -> tuple[int, np.ndarray]:
         """How many of the leading keys, given as an (n, 2) "<u8" array of
         their halves, are in the index (a run that ends at the first key
         that is not), and the slots of that run."""
         self.flush()
-        if not self._count or not len(want) or self._find(want[0].tobytes())[1] < 0:
-            return 0, _NO_SLOTS  # a cold prompt: one key looked at
-        slots = self._find_array(want)
-        miss = np.flatnonzero(slots < 0)
-        n = int(miss[0]) if miss.size else len(want)
-        return n, slots[:n]
+        if not self._count:
+            return 0, NO_SLOTS
+        return self.run_of(want)
+
+    def held_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` (valid slot numbers) hold a key in the table, as
+        of the last :meth:`flush`: a mask."""
+        return self._in[slots]
 
     def keys_of(self, slots: np.ndarray) -> list[bytes]:
         """The keys the table has for ``slots`` (each set, and not given

@@ -17,21 +17,16 @@ only if both are the same even number (a seqlock), else tries again and,
 after a few tries, answers None (the caller asks the service instead). The
 counters are statistics: a torn read costs a stale figure, never a block.
 
-The file is the service's own: created 0600 with O_EXCL in the pool's
-shared-memory folder, held under an exclusive ``flock`` for its lifetime
-(so :func:`~kvtier.tier.dram.remove_stale_files` tells a dead service's
-page from a live one's), and removed when the service closes it.
+The file is the service's own (pool/shmfile.py).
 """
 
 from __future__ import annotations
 
-import mmap
-import os
 import struct
 
 import msgspec
 
-from kvtier.tier.dram import create_owned
+from kvtier.pool.shmfile import SharedFile
 
 PAGE_BYTES = 64 << 10
 _HEAD = struct.Struct("<QI")  # sequence number, length of the map
@@ -40,39 +35,18 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(dict[str, int])
 
 
-class StatsPage:
+class StatsPage(SharedFile):
     """A counters page: :meth:`create` (the service) or :meth:`attach` (an instance)."""
 
-    def __init__(self, path: str, fd: int, mm: mmap.mmap, owner: bool) -> None:
-        self.path = path
-        self._fd = fd
-        self._mm = mm
-        self.owner = owner
-        self._seq = 0
+    _seq = 0
 
     @classmethod
     def create(cls, path: str) -> StatsPage:
-        fd = create_owned(path)  # O_EXCL, 0600, the owner's flock
-        try:
-            os.ftruncate(fd, PAGE_BYTES)
-            mm = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        return cls(path, fd, mm, owner=True)
+        return cls(path, *cls._create(path, PAGE_BYTES), owner=True)
 
     @classmethod
     def attach(cls, path: str) -> StatsPage:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            if os.fstat(fd).st_size < PAGE_BYTES:
-                raise ValueError(f"{path} is not a counters page")
-            mm = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(path, fd, mm, owner=False)
+        return cls(path, *cls._attach(path, PAGE_BYTES, "a counters page"), owner=False)
 
     def write(self, counters: dict[str, int]) -> bool:
         """Publish ``counters`` (the service); False when they do not fit."""
@@ -103,15 +77,3 @@ class StatsPage:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
         return None
-
-    def close(self) -> None:
-        if self._fd < 0:
-            return
-        self._mm.close()
-        if self.owner:
-            try:
-                os.unlink(self.path)  # while the lock is still held, as the arena does
-            except OSError:
-                pass
-        os.close(self._fd)
-        self._fd = -1

@@ -29,25 +29,52 @@ _M64 = (1 << 64) - 1
 # Offsets a batch lookup looks at in one round once past the keys' homes
 # (a window of 8 positions); a round moves on by the window's length.
 _WINDOW = np.arange(1, 9)
+NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
 class KeyTable:
     """Key of each of ``num_slots`` slots and the hash table that finds them."""
 
-    def __init__(self, num_slots: int, max_load: float = 0.75) -> None:
+    def __init__(self, num_slots: int, max_load: float = 0.75, memory: memoryview | None = None,
+                 table_size: int | None = None) -> None:
+        """``memory``: the key array and then the hash table live there (the
+        meta service's shared ready index, pool/readymap.py) instead of in
+        memory of the table's own, laid out as :meth:`sizes` says; it is
+        taken as it is (a reader's, filled by its writer) when
+        ``table_size`` is given, and emptied otherwise."""
         if not 0 <= num_slots < 2**31 - 1:
             raise ValueError(f"num_slots must be in [0, 2**31 - 1), got {num_slots}")
         self.num_slots = num_slots
         n = max(1, num_slots)
-        self._key_bytes = bytearray(n * KEY_BYTES)  # sliced per lookup: a 16-byte copy compares fastest
+        size = table_size if table_size is not None else self.sizes(num_slots, max_load)[1]
+        if size < 8 or size & (size - 1):
+            raise ValueError(f"a key table's size is a power of two of at least 8, got {size}")
+        self._mask = size - 1
+        self._shift = 64 - size.bit_length() + 1
+        if memory is None:
+            # Sliced per lookup: a 16-byte copy compares fastest.
+            self._key_bytes: bytearray | memoryview = bytearray(n * KEY_BYTES)
+            self._table = np.full(size, _EMPTY, dtype=np.int32)
+        else:
+            if len(memory) < n * KEY_BYTES + size * 4:
+                raise ValueError(f"{len(memory)} bytes hold no key table of {num_slots} slots and {size} positions")
+            self._key_bytes = memory[: n * KEY_BYTES]
+            self._table = np.frombuffer(memory, dtype=np.int32, count=size, offset=n * KEY_BYTES)
+            if table_size is None:
+                self._table.fill(_EMPTY)
         self._keys = np.frombuffer(self._key_bytes, dtype="<u8").reshape(n, 2)
+        self._t = memoryview(self._table)
+
+    @staticmethod
+    def sizes(num_slots: int, max_load: float = 0.75) -> tuple[int, int]:
+        """(bytes of the key array, positions of the hash table) of a table of
+        ``num_slots`` slots at most ``max_load`` full; the table's memory is
+        the first and then 4 bytes a position."""
+        n = max(1, num_slots)
         size = 8
         while size * max_load < n:
             size *= 2
-        self._mask = size - 1
-        self._shift = 64 - size.bit_length() + 1
-        self._table = np.full(size, _EMPTY, dtype=np.int32)
-        self._t = memoryview(self._table)
+        return n * KEY_BYTES, size
 
     def bucket(self, key: bytes) -> int:
         """Home position of ``key`` in the hash table (tests use it to make collisions)."""
@@ -99,6 +126,17 @@ class KeyTable:
         if walking.size:
             self._walk(want[walking], pos[walking], walking, out)
         return out
+
+    def run_of(self, want: np.ndarray) -> tuple[int, np.ndarray]:
+        """How many of the leading keys ``want`` ((n, 2) "<u8" halves) are
+        in the table, a run that ends at the first key that is not, and the
+        slots of that run. A cold prompt costs one key's lookup."""
+        if not len(want) or self._find(want[0].tobytes())[1] < 0:
+            return 0, NO_SLOTS
+        slots = self._find_array(want)
+        miss = np.flatnonzero(slots < 0)
+        n = int(miss[0]) if miss.size else len(want)
+        return n, slots[:n]
 
     def _walk(self, want: np.ndarray, at: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
         """Go on with the walks of keys ``want`` (rows ``idx`` of ``out``)
