@@ -125,6 +125,9 @@ STAMPS_PENDING_MAX = 8_192
 # ~0.15 ms of array calls on the 2-core test machine whatever its size, so
 # one a step rather than one after every call.
 READY_BATCH = 512
+# The meta service's shared ready index takes the blocks made READY at most
+# this long after (with the next call it settles); blocks that left, at once.
+READY_LAG_S = 0.05
 
 
 class EntryState(enum.Enum):
@@ -622,11 +625,45 @@ class TieredStore:
         remote = self._cluster.lookup(after.as_list() if isinstance(after, PackedKeys) else after)
         return Probe(ready, total + remote, remote)
 
-    def _start_ready_locked(self) -> None:
+    def share_ready(self, memory: memoryview) -> None:
+        """Keep the ready index in ``memory`` (ready_index.memory_bytes of
+        the DRAM slots) from now on, made from the entries held now: the
+        meta service's shared form, which instances read without a call
+        (pool/readymap.py). A store made without ``ready_index`` is not
+        asked."""
+        if not self._ready_wanted:
+            raise ValueError("this store keeps no ready index (ready_index=False)")
+        with self._lock:
+            self._start_ready_locked(memory)
+
+    def touched(self, slots: np.ndarray) -> None:
+        """A run of plain READY DRAM blocks that an instance counted in the
+        shared ready index (``slots``, first block first): counted as a
+        lookup that found them, and stamped as :meth:`probe` stamps such a
+        run. A slot whose block has left the index since (evicted,
+        discarded) is passed over; one given to another block READY since
+        refreshes that block instead, an approximation of the recency
+        only."""
+        n = len(slots)
+        with self._lock:
+            self._c.lookups += 1
+            self._c.lookup_hits += n
+            ready = self._ready
+            if ready is None or not n:
+                return
+            if ready.changes and -1 in ready.changes.values():
+                ready.flush()  # blocks that left, out of ready._in
+            slots = slots[(slots >= 0) & (slots < self.tier.num_slots)]
+            slots = slots[ready.held_slots(slots)]
+            if slots.size:
+                self._stamp_locked(slots)
+
+    def _start_ready_locked(self, memory: memoryview | None = None) -> None:
         """Make the ready index from the entries held now (once: the first
-        long probe of keys in one buffer), and the odd set that keeps it in
-        step from here on. Costs a pass over the entries (C calls)."""
-        ready = ReadyIndex(self.tier.num_slots)
+        long probe of keys in one buffer, or :meth:`share_ready`), and the
+        odd set that keeps it in step from here on. Costs a pass over the
+        entries (C calls)."""
+        ready = ReadyIndex(self.tier.num_slots, memory)  # one made before goes: it was made the same way
         odd = _OddKeys(self._entries, ready)
         set.update(odd, self._odd)
         entries = self._entries
@@ -678,8 +715,14 @@ class TieredStore:
                 self._stamped = int(np.count_nonzero(self._stamps))  # a block probed again is counted once
                 if self._stamped > STAMPS_PENDING_MAX:
                     self._apply_stamps_locked()
-            if self._ready is not None and len(self._ready.changes) >= READY_BATCH:
-                self._ready.flush()
+            ready = self._ready
+            if ready is not None and ready.changes and (len(ready.changes) >= READY_BATCH or ready.shared and (
+                    -1 in ready.changes.values() or time.monotonic() - ready.flushed_at >= READY_LAG_S)):
+                # Shared (instances count runs in it without a call), a block
+                # that left goes at once: it would be counted, and its pin
+                # fail. Blocks made READY wait up to READY_LAG_S, a flush
+                # costing 0.15-0.6 ms: meanwhile a lookup of them is a call.
+                ready.flush()
 
     def _flush_refreshes_locked(self) -> None:
         if self._unrefreshed:

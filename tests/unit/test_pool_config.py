@@ -543,10 +543,11 @@ def test_what_a_killed_service_left_counts_as_free_for_its_restart(tmp_path: Pat
     opts = ServiceOptions(url="tcp://127.0.0.1:5000", store=KvtierConfig(shm_dir=str(tmp_path)))
     assert leftover_bytes(opts) == 0
     (tmp_path / "kvtier-pool-someoneelse-1").write_bytes(b"x" * (1 << 20))  # another service's: not counted
-    arena_stem, stats_stem = _stems(opts)
+    arena_stem, stats_stem, ready_stem = _stems(opts)
     Path(arena_stem + "dead1").write_bytes(b"x" * (2 << 20))
     Path(stats_stem + "dead1").write_bytes(b"x" * 4096)
-    assert (2 << 20) + 4096 <= leftover_bytes(opts) < (3 << 20)
+    Path(ready_stem + "dead1").write_bytes(b"x" * 8192)
+    assert (2 << 20) + 4096 + 8192 <= leftover_bytes(opts) < (3 << 20)
     # A live service's arena under the same address (another container
     # sharing /dev/shm): its owner holds the lock, it keeps its memory.
     live = Path(arena_stem + "live1")

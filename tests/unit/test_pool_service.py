@@ -32,6 +32,7 @@ from kvtier.pool import service as pool_service
 from kvtier.pool import wire
 from kvtier.pool.client import PoolPlacement, PoolRefused
 from kvtier.pool.http import PoolHttp
+from kvtier import store as store_module
 from kvtier.pool.service import MetaService, ServiceOptions
 from kvtier.store import Probe
 from kvtier.tier.dram import DramTier, checksum
@@ -119,7 +120,7 @@ def test_a_reply_trickled_slower_than_the_timeout_is_a_miss_not_a_stall(make_tie
         with conn:
             assert isinstance(wire.decode_client(wire.recv_frame(conn)), wire.Hello)
             conn.sendall(wire.encode(wire.Welcome(wire.PROTOCOL_VERSION, 1, tier.path, tier.num_slots, 10_000,
-                                                  False, "")))
+                                                  False, "", "")))
             while not done.is_set():
                 body = wire.recv_frame(conn)
                 if body is None:
@@ -203,14 +204,69 @@ def test_a_block_saved_by_one_instance_is_found_and_pinned_by_another(service: M
     b.shutdown()
 
 
-def test_a_prefix_another_instance_looked_up_outlives_newer_blocks_under_pressure(service: MetaService) -> None:
-    # The service answers a probe before it refreshes the run's recency: the
-    # refresh must still happen, before the session's next call.
+def test_a_run_all_in_dram_is_counted_in_the_shared_index_and_told_to_the_service(
+        service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The instance reads the service's ready index (pool/readymap.py): a
+    # run plain READY in DRAM from the first key to the last needs no call;
+    # the service is told (a Touch, never answered) and counts it as a lookup.
     a, b = client(service, name="a"), client(service, name="b")
+    ks = keys(2, 6)
+    monkeypatch.setattr(store_module, "READY_LAG_S", 3600.0)  # saves reach the shared index late: by call
+    save(a, ks, step=1)
+    assert b.probe(ks) == Probe(6, 6) and b.mapped_lookups == 0
+    monkeypatch.setattr(store_module, "READY_LAG_S", 0.0)  # with the next call settled
+    save(a, keys(4, 1), step=2)
+    sent = b._next_id
+    assert b.probe(ks) == Probe(6, 6)
+    assert b.mapped_lookups == 1 and b._next_id == sent + 1 and not b._unanswered  # one message, no reply
+    assert b.flush()  # a call after it: its answer is the next one read
+    assert service.lookups_by_instance()["b"][:2] == (12, 12)  # keys asked, found in DRAM (two lookups)
+    # A run that does not reach the last key is the service's to count.
+    assert b.probe(ks + keys(3, 2)) == Probe(6, 6)
+    assert b.mapped_lookups == 1
+    # A block that left is not counted by the next lookup, wherever it is made.
+    assert a.discard([ks[3]]) == 1
+    assert a.flush()  # answered once the discard's bookkeeping is done (a lookup before it: its pin fails)
+    assert b.probe(ks).ready == 3 and b.mapped_lookups == 1
+    assert b.probe(ks[:3]) == Probe(3, 3) and b.mapped_lookups == 2
+    c = client(service, name="c", map_ready=False)
+    assert c.probe(ks[:3]) == Probe(3, 3) and c.mapped_lookups == 0
+
+
+def test_a_block_evicted_by_a_save_is_not_counted_from_the_shared_index(service: MetaService) -> None:
+    # Evictions happen in another instance's PrepareSave: the service takes
+    # them out of the shared index once that call is answered, not at the
+    # step's completion (which may be a forward pass away).
+    a, b = client(service, name="a"), client(service, name="b")
+    old = keys(40, 20)
+    save(a, old, step=1)
+    service.store.refresh()  # the blocks made READY into the shared index now, not within READY_LAG_S
+    assert b.probe(old) == Probe(20, 20) and b.mapped_lookups == 1
+    step = 2
+    while all(map(service.store.contains, old)) and step < 20:
+        a.prepare_save(keys(200 + step, 8), step)  # never completed: PENDING, not evictable
+        step += 1
+    assert a.flush()  # answered after the last PrepareSave's bookkeeping
+    held = 0
+    while held < len(old) and service.store.contains(old[held]):
+        held += 1
+    assert held < len(old), "the pool never evicted"
+    assert b.probe(old).ready == held
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["counted-in-the-shared-index", "by-call"])
+def test_a_prefix_another_instance_looked_up_outlives_newer_blocks_under_pressure(
+        service: MetaService, monkeypatch: pytest.MonkeyPatch, mapped: bool) -> None:
+    # The service answers a probe before it refreshes the run's recency: the
+    # refresh must still happen, before the session's next call. A run the
+    # instance counted in the shared index is refreshed from its Touch.
+    monkeypatch.setattr(store_module, "READY_LAG_S", 0.0)
+    a, b = client(service, name="a"), client(service, name="b", map_ready=mapped)
     old, newer = keys(30, 20), keys(31, 20)
     save(a, old, step=1)
     save(a, newer, step=2)
     assert b.probe(old).ready == 20
+    assert b.mapped_lookups == mapped
     b.flush()  # a call after the probe on the same connection: answered once the refresh is done
     step = 3
     while all(map(service.store.contains, newer)) and step < 40:  # fill until the pool evicts
@@ -668,7 +724,7 @@ class _BrokenService:
 
 
 def _welcome(version: int = wire.PROTOCOL_VERSION) -> wire.Welcome:
-    return wire.Welcome(version, 1, "/nonexistent/arena", 8, 10_000, False, "")
+    return wire.Welcome(version, 1, "/nonexistent/arena", 8, 10_000, False, "", "")
 
 
 def test_a_service_that_cannot_read_this_hello_is_named_as_another_version() -> None:
@@ -720,6 +776,26 @@ def test_a_key_of_the_wrong_length_ends_only_that_session(service: MetaService) 
     assert _answer(s) is None  # closed
     assert service.bad_messages == 1
     assert good.probe(keys(9, 1)).total == 0 and good.connected
+
+
+def test_a_touch_is_never_answered_and_one_of_broken_slots_ends_only_that_session(service: MetaService) -> None:
+    good = client(service)
+    ks = keys(9, 2)
+    save(good, ks, step=1)
+    s = _raw(service)
+    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "raw", 1, 1, RANK_BYTES)))
+    assert isinstance(_answer(s), wire.Welcome)
+    slots = good.pin(ks, step=2)
+    s.sendall(wire.encode(wire.Touch(4, np.array(slots + [-3, 1 << 30], dtype="<i4").tobytes())))
+    s.sendall(wire.encode(wire.Ping(5)))
+    reply = _answer(s)
+    assert isinstance(reply, wire.Ok) and reply.id == 5  # the Ping's: nothing came for the Touch
+    assert service.lookups_by_instance()["raw"][:2] == (4, 4)  # slots that are none are counted, not stamped
+    s.sendall(wire.encode(wire.Touch(6, b"\0" * 6)))
+    reply = _answer(s)
+    assert isinstance(reply, wire.Error) and "Touch.slots: 6 bytes" in reply.message
+    assert _answer(s) is None  # closed
+    assert good.probe(ks).ready == 2 and good.connected
 
 
 @pytest.mark.parametrize(("token", "starts"), [("", True), ("wrong", False)])
@@ -833,7 +909,7 @@ def test_counters_are_read_from_the_services_page_without_a_call(service: MetaSe
     calls = c._next_id
     assert poll_until(lambda: c.counters()["dram_slots_used"] == 3, timeout_s=10)  # the page shows the saves
     assert c._next_id == calls  # read, not asked
-    page = Path(c._page.path)
+    page = Path(c._maps["stats"].path)
     assert page.parent == Path(service.opts.store.shm_dir) and page.stat().st_mode & 0o777 == 0o600
     c.shutdown()
     service.stop()
@@ -1107,6 +1183,7 @@ def test_lookup_counts_keep_a_bounded_number_of_ended_instances_and_lose_no_coun
     ks = keys(60, 8)
     save(live, ks, step=1)
     assert live.probe(ks).ready == 8
+    assert live.flush()  # a lookup counted in the shared index reaches the tallies with its Touch: done by now
     names = [f"m@{100 + i}" for i in range(7)]
     for i, name in enumerate(names):
         c = client(service, name=name)
@@ -1116,6 +1193,7 @@ def test_lookup_counts_keep_a_bounded_number_of_ended_instances_and_lose_no_coun
         assert poll_until(lambda: all(s.id != sid for s in service.sessions()), timeout_s=10)
     again = client(service, name=names[-1])  # a kept name back: counted on, and no longer among the ended
     assert again.probe(ks[:1]).ready == 1
+    assert again.flush()
     again.shutdown()
     by = service.lookups_by_instance()
     assert set(by) == {"live@1", *names[-3:], pool_service.ENDED_INSTANCES}

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from kvtier import store as store_module
 from kvtier.keys import PackedKeys
 from kvtier.policy import LruPolicy
+from kvtier.ready_index import memory_bytes
 from kvtier.store import TieredStore
 from kvtier.tier import DramTier
 
@@ -182,4 +184,36 @@ def test_the_ready_index_is_made_at_the_first_long_probe(pair, monkeypatch: pyte
     served.complete_step(2)  # the pin ends: the doomed block goes
     served.complete_step(1)  # K(50), K(51) READY
     assert served.probe(P([K(50), K(51), a[0], a[1]]), refresh=False).ready == 4
+    assert served.odd_keys_consistent()
+
+
+def test_a_run_counted_in_the_shared_index_is_counted_and_stamped_as_the_service_s_own(pair) -> None:
+    # The meta service's Touch: an instance counted the run in the shared
+    # ready index and sends its slots. Counted as a lookup, and the same
+    # recency as a probe; a slot that left since, or no slot, is passed over.
+    served, sp, plain, pp = pair()
+    served.share_ready(memoryview(bytearray(memory_bytes(SLOTS))))
+    a, b = [K(i) for i in range(10)], [K(100 + i) for i in range(10)]
+    save_ready([served, plain], a, 0)
+    save_ready([served, plain], b, 1)
+    served.refresh()  # the saves' changes in the index
+    n, slots = served._ready.run_of(P(a).array())
+    assert n == 10
+    before = served.statistics().events
+    served.touched(slots)
+    after = served.statistics().events
+    assert (after.lookups - before.lookups, after.lookup_hits - before.lookup_hits) == (1, 10)
+    plain.probe(a)
+    served.refresh()
+    assert list(sp.victims()) == list(pp.victims()) == b[::-1] + a[::-1]
+    # b's run, one of its blocks gone since it was counted, and slots that are none.
+    n, slots = served._ready.run_of(P(b).array())
+    for s in (served, plain):
+        assert s.discard([b[3]]) == 1
+    served.touched(np.concatenate([slots, [-1, SLOTS + 5]]))
+    assert served._stamped == 9  # b[3]'s slot, free now, is not stamped
+    plain.probe(b[4:])
+    plain.probe(b[:3])
+    served.refresh()
+    assert list(sp.victims()) == list(pp.victims())
     assert served.odd_keys_consistent()

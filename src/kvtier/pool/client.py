@@ -30,6 +30,11 @@ planned across a reconnection loads nothing and saves nothing
 
 While connected and idle, the same thread pings the service every third
 of the lease's time so that the session's leases hold.
+
+Two files of the service's are read without a call: its counters page
+(pool/statspage.py) and its ready index (pool/readymap.py), where a lookup
+whose whole run is plain READY in DRAM is counted; the service is then
+told of it without waiting (wire.Touch). Any other lookup is a call.
 """
 
 from __future__ import annotations
@@ -37,17 +42,22 @@ from __future__ import annotations
 import logging
 import math
 import os
+import select
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvtier.config import POOL_CALL_TIMEOUT_S
 from kvtier.pool import wire
 from kvtier.pool.service import parse_url
+from kvtier.pool.readymap import ReadyMap
+from kvtier.pool.shmfile import SharedFile
 from kvtier.pool.statspage import StatsPage
 from kvtier.store import Probe, SaveSlots
 
@@ -85,8 +95,10 @@ class PoolRefused(Exception):
 
 class PoolPlacement:
     def __init__(self, url: str, *, ranks: int, rank_bytes: int, name: str = "", token: str | None = None,
-                 timeout_s: float = POOL_CALL_TIMEOUT_S, connect: bool = True, promote_timeout_s: float = 0.0
-                 ) -> None:
+                 timeout_s: float = POOL_CALL_TIMEOUT_S, connect: bool = True, promote_timeout_s: float = 0.0,
+                 map_ready: bool = True) -> None:
+        """``map_ready``: count lookups in the service's ready index where
+        they can be (False: every lookup is a call; benchmarks compare)."""
         self.url = url
         self._where = parse_url(url)
         self.ranks = ranks
@@ -99,6 +111,10 @@ class PoolPlacement:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        # Polls the connection for its end (the service's process gone, or
+        # the session ended) without reading: a lookup counted in the ready
+        # index is no answer once the service that keeps it is gone.
+        self._hangup: select.poll | None = None
         self._next_id = 1
         self._welcome: wire.Welcome | None = None
         self._unanswered: deque[tuple[int, str]] = deque()  # (id, call) sent with wait=False, reply not read
@@ -111,8 +127,11 @@ class PoolPlacement:
         self._last_call = 0.0
         self._last_counters: dict[str, int] = {}
         self._counters_at = -1.0  # when _last_counters came from the service
-        self._page: StatsPage | None = None  # the service's counters page, mapped
-        self._bad_page = ""  # a page that could not be mapped (not tried again)
+        self.map_ready = map_ready
+        # The service's files mapped (Welcome.stats, Welcome.ready: see
+        # _mapped), and the last path of each that could not be (not tried again).
+        self._maps: dict[str, SharedFile] = {}
+        self._unmappable: dict[str, str] = {}
         self._closed = threading.Event()
         self._wake = threading.Event()  # the client's thread: the connection dropped, or shutdown
         self._refused = ""  # the last refusal of a reconnection, logged once
@@ -121,6 +140,7 @@ class PoolPlacement:
         self.stalls = 0  # waits of ``timeout_s`` for the service on a thread not the client's (the engine's)
         self.attempts = 0  # reconnections tried by the client's thread
         self.deferred = 0  # settling calls that found the connection busy and went with the next call
+        self.mapped_lookups = 0  # lookups counted in the service's ready index, without a call
         if connect:
             sock, welcome = self._open()  # the first connection's refusal is a start-up error
             with self._lock:
@@ -183,6 +203,8 @@ class PoolPlacement:
     def _install_locked(self, sock: socket.socket, welcome: wire.Welcome) -> None:
         self._epoch += 1  # first: a reader that sees the new arena sees the new epoch too
         self._sock = sock
+        self._hangup = select.poll()
+        self._hangup.register(sock, select.POLLRDHUP)  # POLLHUP and POLLERR come whatever is asked
         self._welcome = welcome
         self._next_id = 1
         self._last_call = time.monotonic()
@@ -219,6 +241,7 @@ class PoolPlacement:
                         "until it is back", self.url, why)
             self._sock.close()
             self._sock = None
+            self._hangup = None
         self._retry_at = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
         self._wake.set()  # the client's thread sleeps a lease's third while connected
@@ -226,6 +249,8 @@ class PoolPlacement:
     def _call(self, msg: msgspec.Struct, wait: bool = True, lock_wait: float | None = LOCK_WAIT_S
               ) -> wire.Reply | None:
         """The reply, or None when the pool is down (the caller answers "miss").
+        A :class:`wire.Touch`, which the service never answers: an Ok of its
+        id once it is sent.
 
         ``wait=False``: send and return None at once; the reply is read (and
         an error in it logged) by the next call that waits, before its own:
@@ -268,21 +293,7 @@ class PoolPlacement:
                 if not wait and len(self._unanswered) < UNANSWERED_MAX:
                     self._unanswered.append((mid, type(msg).__name__))
                     return None
-                while True:
-                    body = wire.recv_frame(self._sock, deadline=deadline)
-                    if body is None:
-                        raise PoolUnavailable("connection closed")
-                    reply = wire.decode_server(body)
-                    if isinstance(reply, wire.Welcome):
-                        raise wire.WireError("a reply out of order")
-                    if self._unanswered and reply.id == self._unanswered[0][0]:
-                        _, name = self._unanswered.popleft()
-                        if isinstance(reply, wire.Error):
-                            log.warning("kvtier: the meta service refused %s: %s", name, reply.message)
-                        continue
-                    if reply.id != mid:
-                        raise wire.WireError("a reply out of order")
-                    break
+                reply = wire.Ok(mid) if isinstance(msg, wire.Touch) else self._reply_locked(mid, deadline)
             except (OSError, wire.WireError, PoolUnavailable) as err:
                 if isinstance(err, TimeoutError):
                     self.stalls += 1
@@ -309,6 +320,25 @@ class PoolPlacement:
                 except OSError as err:
                     self._drop_locked(err)
             self._lock.release()
+
+    def _reply_locked(self, mid: int, deadline: float) -> wire.Reply:
+        """The reply to call ``mid``, read after those of the calls sent before it without waiting."""
+        assert self._sock is not None
+        while True:
+            body = wire.recv_frame(self._sock, deadline=deadline)
+            if body is None:
+                raise PoolUnavailable("connection closed")
+            reply = wire.decode_server(body)
+            if isinstance(reply, wire.Welcome):
+                raise wire.WireError("a reply out of order")
+            if self._unanswered and reply.id == self._unanswered[0][0]:
+                _, name = self._unanswered.popleft()
+                if isinstance(reply, wire.Error):
+                    log.warning("kvtier: the meta service refused %s: %s", name, reply.message)
+                continue
+            if reply.id != mid:
+                raise wire.WireError("a reply out of order")
+            return reply
 
     def _send_deferred_locked(self, deadline: float | None = None) -> None:
         """Send the deferred calls, each by ``deadline`` when one is given."""
@@ -378,7 +408,19 @@ class PoolPlacement:
     def probe(self, keys: Sequence[bytes]) -> Probe:
         if not keys:
             return Probe(0, 0)
-        r = self._call(wire.Probe(0, wire.pack_keys(keys)))
+        blob = wire.pack_keys(keys)
+        hangup = self._hangup
+        if self.map_ready and self._sock is not None and hangup is not None and not hangup.poll(0):
+            ready = self._mapped("ready", ReadyMap.attach)
+            run = ready.leading(np.frombuffer(blob, dtype="<u8").reshape(-1, 2)) if ready is not None else None
+            if run is not None and run[0] == len(keys):
+                # Counted without a call; the service is told the run's slots
+                # (its tallies, the blocks' recency), and we do not wait.
+                if self._call(wire.Touch(0, run[1].astype("<i4").tobytes())) is None:
+                    return Probe(0, 0)  # down: a miss, as any lookup now
+                self.mapped_lookups += 1
+                return Probe(run[0], run[0])
+        r = self._call(wire.Probe(0, blob))
         if not isinstance(r, wire.ProbeReply) or not 0 <= r.ready <= r.total <= len(keys) \
                 or not 0 <= r.remote <= r.total - r.ready:
             return Probe(0, 0)  # down, or an answer that cannot be right: a miss
@@ -453,32 +495,37 @@ class PoolPlacement:
         return dict(self._last_counters)
 
     def _counters_page(self) -> StatsPage | None:
-        """The counters page the current session's service named, mapped on
-        first use and again after a reconnection to another service."""
+        return self._mapped("stats", StatsPage.attach)  # type: ignore[return-value]
+
+    def _mapped(self, kind: str, attach: Callable[[str], SharedFile]) -> Any:
+        """The file of ``kind`` (a field of the Welcome: "stats", "ready")
+        that the current session's service named, mapped on first use and
+        again after a reconnection to another service; None if it named
+        none or it cannot be mapped (asked of the service instead)."""
         welcome = self._welcome
-        path = welcome.stats if welcome is not None else ""
-        page = self._page
-        if page is not None and page.path == path:
-            return page
-        if page is not None:
-            page.close()
-            self._page = None
-        if not path or path == self._bad_page:
+        path = getattr(welcome, kind) if welcome is not None else ""
+        have = self._maps.get(kind)
+        if have is not None and have.path == path:
+            return have
+        if have is not None:
+            del self._maps[kind]
+            have.close()
+        if not path or path == self._unmappable.get(kind):
             return None
         try:
-            self._page = StatsPage.attach(path)
+            self._maps[kind] = attach(path)
         except (OSError, ValueError) as err:
-            log.info("kvtier: cannot map the pool's counters page %s (%s); asking the service instead", path, err)
-            self._bad_page = path
-        return self._page
+            log.info("kvtier: cannot map the pool's %s file %s (%s); asking the service instead", kind, path, err)
+            self._unmappable[kind] = path
+        return self._maps.get(kind)
 
     def shutdown(self) -> None:
         """Close the session; the service releases whatever it still holds of it."""
         self._closed.set()
         self._wake.set()
-        if self._page is not None:
-            self._page.close()
-            self._page = None
+        for mapped in self._maps.values():
+            mapped.close()
+        self._maps.clear()
         with self._lock:
             if self._sock is not None:
                 self._sock.close()

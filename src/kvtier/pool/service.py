@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import xxhash
 
 from kvtier.config import ClusterConfig, KvtierConfig
@@ -58,6 +59,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import PackedKeys
 from kvtier.placement import close_store, open_store
 from kvtier.pool import wire
+from kvtier.pool.readymap import ReadyMap
 from kvtier.pool.statspage import StatsPage
 from kvtier.store import TieredStore
 from kvtier.tier.dram import PART_ALIGN, DramTier, remove_stale_files
@@ -67,6 +69,7 @@ log = logging.getLogger(__name__)
 
 ARENA_PREFIX = "kvtier-pool-"
 STATS_PREFIX = "kvtier-poolstats-"  # the counters page beside the arena (pool/statspage.py)
+READY_PREFIX = "kvtier-poolready-"  # the ready index beside it (pool/readymap.py)
 STATS_EVERY_S = 0.1  # how often the counters page is rewritten
 HELLO_MAX = 64 << 10  # bytes a handshake may take, before the client is known
 HELLO_WAIT_S = 10.0  # the whole Hello must arrive within this long of the connection
@@ -133,11 +136,11 @@ class ServiceOptions:
     slot_rank_bytes: int | None = None
 
 
-def _stems(opts: ServiceOptions) -> tuple[str, str]:
-    """Where the service's arenas and counters pages go: shm_dir/prefix-TAG-*."""
+def _stems(opts: ServiceOptions) -> tuple[str, str, str]:
+    """Where the service's arenas, counters pages and ready indexes go: shm_dir/prefix-TAG-*."""
     tag = opts.name or xxhash.xxh64_hexdigest(opts.url.encode())[:12]
-    return (os.path.join(opts.store.shm_dir, f"{ARENA_PREFIX}{tag}-"),
-            os.path.join(opts.store.shm_dir, f"{STATS_PREFIX}{tag}-"))
+    return tuple(os.path.join(opts.store.shm_dir, f"{prefix}{tag}-")  # type: ignore[return-value]
+                 for prefix in (ARENA_PREFIX, STATS_PREFIX, READY_PREFIX))
 
 
 def leftover_bytes(opts: ServiceOptions) -> int:
@@ -199,8 +202,9 @@ class MetaService:
     def __init__(self, opts: ServiceOptions) -> None:
         self.opts = opts
         self._where = parse_url(opts.url)
-        self._arena_stem, self._stats_stem = _stems(opts)
+        self._arena_stem, self._stats_stem, self._ready_stem = _stems(opts)
         self._stats_page: StatsPage | None = None
+        self._ready_map: ReadyMap | None = None
         self._grace_s = (opts.slot_grace_ms if opts.slot_grace_ms is not None else 3 * opts.lease_ttl_ms) / 1000
         self.store: TieredStore | None = None
         self._adoptable: DramTier | None = None  # a dead service's arena, owned now, not yet in use
@@ -262,6 +266,7 @@ class MetaService:
                          "adopted", path)
                 break
         remove_stale_files(shm, os.path.basename(self._stats_stem))
+        remove_stale_files(shm, os.path.basename(self._ready_stem))
         removed = remove_stale_files(shm, stem)
         if removed:
             log.info("kvtier meta: removed %d arenas left by a service that died", len(removed))
@@ -337,9 +342,10 @@ class MetaService:
             if self.store is not None:
                 close_store(self.store)
                 self.store = None
-            if self._stats_page is not None:
-                self._stats_page.close()
-                self._stats_page = None
+            for shared in (self._stats_page, self._ready_map):
+                if shared is not None:
+                    shared.close()
+            self._stats_page = self._ready_map = None
             if self._adoptable is not None:
                 if keep_adoptable:
                     self._adoptable.owner = False  # closed, not removed
@@ -367,7 +373,7 @@ class MetaService:
                     old, self._adoptable = self._adoptable, None
             if store is None:
                 try:
-                    store, page = self._make_pool(ranks, part, old, grow=self.opts.slot_rank_bytes is None)
+                    store, page, ready = self._make_pool(ranks, part, old, grow=self.opts.slot_rank_bytes is None)
                 except BaseException:
                     # A failure the next instance may not meet (an SSD path
                     # not mounted yet): the old arena stays for it to adopt.
@@ -379,11 +385,12 @@ class MetaService:
                     raise
                 with self._lock:
                     if not self._stop.is_set():
-                        self.store, self._stats_page = store, page
+                        self.store, self._stats_page, self._ready_map = store, page, ready
                         return store
                 close_store(store)  # stop() came while it was made
-                if page is not None:
-                    page.close()
+                for shared in (page, ready):
+                    if shared is not None:
+                        shared.close()
                 raise _Refused("stopping", "the meta service is stopping")
             have_r, have_b = store.tier.ranks, store.tier.rank_bytes
             if ranks != have_r or rank_bytes > have_b:
@@ -405,12 +412,13 @@ class MetaService:
             return store
 
     def _make_pool(self, ranks: int, rank_bytes: int, old: DramTier | None,
-                   grow: bool = False) -> tuple[TieredStore, StatsPage | None]:
+                   grow: bool = False) -> tuple[TieredStore, StatsPage | None, ReadyMap | None]:
         """The pool of ``ranks`` parts of ``rank_bytes``, adopting ``old`` (an
         arena a dead service left) when it has the same geometry, or, with
         ``grow`` (no part size configured), as many parts of more bytes:
-        the blocks of a larger model that came first; and its counters page
-        (None if it could not be made)."""
+        the blocks of a larger model that came first; its counters page and
+        its ready index in shared memory (None where one could not be made:
+        instances ask the service instead)."""
         arena = self._arena_stem + secrets.token_hex(4)
         adopt = old is not None and old.ranks == ranks and (
             old.rank_bytes == rank_bytes or (grow and old.rank_bytes > rank_bytes))
@@ -453,13 +461,23 @@ class MetaService:
                          n, held, self._grace_s)
             except Exception:  # noqa: BLE001 - adoption is an optimisation: start cold instead
                 log.exception("kvtier meta: adopting the old arena failed part way")
+        ready = None
+        try:
+            ready = ReadyMap.create(self._ready_stem + secrets.token_hex(4), store.tier.num_slots)
+            store.share_ready(ready.memory)
+        except OSError as err:
+            log.warning("kvtier meta: no shared ready index in %s (%s); instances look up by call",
+                        self.opts.store.shm_dir, err)
+            if ready is not None:
+                ready.close()
+                ready = None
         t, ssd = store.tier, store.ssd
         log.info("kvtier meta: DRAM pool %s, %d slots of %d bytes (%.2f GiB)", t.path, t.num_slots,
                  t.slot_stride, t.size_bytes / (1 << 30))
         if ssd is not None:
             log.info("kvtier meta: SSD tier on %s: %d slots, %d blocks recovered", ":".join(ssd.paths),
                      ssd.num_slots, store.counters()["ssd_slots_used"])
-        return store, page
+        return store, page, ready
 
     # --- connections ------------------------------------------------------
 
@@ -539,7 +557,8 @@ class MetaService:
                                 peer, err)
                     _send(conn, wire.Error(0, "bad-request", str(err)))
                     return
-                conn.sendall(wire.encode(reply))
+                if reply is not None:
+                    conn.sendall(wire.encode(reply))
                 if after is not None:
                     after()
         except (OSError, wire.WireError) as err:
@@ -617,28 +636,42 @@ class MetaService:
             self._set_stall_limit_locked()
             self._ended_names.pop(session.name, None)
             self.sessions_started += 1
-        page = self._stats_page
+        page, ready = self._stats_page, self._ready_map
         try:
             conn.sendall(wire.encode(wire.Welcome(wire.PROTOCOL_VERSION, sid, store.tier.path, store.tier.num_slots,
                                                   self.opts.lease_ttl_ms, store.ssd is not None,
-                                                  page.path if page is not None else "")))
+                                                  page.path if page is not None else "",
+                                                  ready.path if ready is not None else "")))
         except OSError as err:  # the client gave up waiting: no session was started
             self._end(session, f"the Welcome could not be sent ({err})")
             return None
         log.info("kvtier meta: session %d: %s (pid %d) from %s", sid, session.name, msg.pid, peer)
         return session
 
-    def _handle(self, s: Session, msg: wire.Request) -> tuple[wire.Reply, Callable[[], None] | None]:
-        """The reply to ``msg``, and what is left to do once it is sent."""
+    def _handle(self, s: Session, msg: wire.Request) -> tuple[wire.Reply | None, Callable[[], None] | None]:
+        """The reply to ``msg`` (None: none is sent), and what is left to do once it is sent."""
         store = self.store
         if store is None:
-            return wire.Error(msg.id, "internal", "the pool is closed"), None
+            return (None if isinstance(msg, wire.Touch) else wire.Error(msg.id, "internal", "the pool is closed")), None
         t0 = time.perf_counter()
         s.calls += 1
         owner = s.id
-        reply: wire.Reply
-        refresh = False  # Probe, CompleteStep: store.settle() once the answer is sent
-        if isinstance(msg, wire.Probe):
+        reply: wire.Reply | None
+        # store.settle() once the answer is sent: the recency of what a probe
+        # counted, and the ready index's changes (at once for a block that
+        # left it: instances read the index without a call).
+        refresh = not isinstance(msg, (wire.Counters, wire.Ping, wire.WaitProgress))
+        if isinstance(msg, wire.Touch):
+            # The instance counted the run in the shared ready index and does
+            # not wait: counted here for the tallies, stamped for the recency.
+            slots = np.frombuffer(msg.slots, dtype="<i4").astype(np.intp)
+            store.touched(slots)
+            with self._lock:
+                tally = self._lookups.setdefault(s.name, [0, 0, 0, 0])
+                tally[0] += len(slots)
+                tally[1] += len(slots)
+            reply = None
+        elif isinstance(msg, wire.Probe):
             # The keys stay one buffer: the store's ready index reads them as
             # an array, and bytes objects are made only for what the probe
             # goes on to look at key by key, and for the recency.
@@ -666,7 +699,6 @@ class MetaService:
             failed = range(store.tier.num_slots) if msg.all_failed else msg.failed_slots
             store.complete_step(msg.step, failed_slots=failed, owner=owner)
             reply = wire.Ok(msg.id)
-            refresh = True  # settle(): the ready index takes the blocks made READY then if many wait
         elif isinstance(msg, wire.Promote):
             reply = wire.Count(msg.id, store.promote(wire.unpack_keys(msg.keys)))
         elif isinstance(msg, wire.WaitProgress):

@@ -15,8 +15,9 @@ whole number of 16-byte keys is refused with :class:`WireError`, and the service
 A session opens with :class:`Hello` (protocol version, optional shared
 token, the instance's slot geometry, its scheduler's wait for moves) and
 the service answers
-:class:`Welcome` (session id, arena path, slots) or :class:`Error`. Then
-each request carries an id the reply repeats.
+:class:`Welcome` (session id, arena path, slots, the paths of the counters
+page and the ready index to map) or :class:`Error`. Then each request
+carries an id the reply repeats; :class:`Touch` alone is never answered.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from kvtier.config import SECONDS_MAX
 from kvtier.keys import KEY_BYTES, KEY_DTYPE
 
 # 2: ProbeReply.remote (the cluster tier); 3: keys as one blob, Welcome.stats;
-# 4: Hello.promote_timeout_ms
-PROTOCOL_VERSION = 4
+# 4: Hello.promote_timeout_ms; 5: Welcome.ready, Touch
+PROTOCOL_VERSION = 5
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
 # An engine's steps count up from 0; a service's own reset dooms every step
 # above -2**62 (service._LOW_STEP), so no step of a session may be at or below it.
@@ -64,6 +65,9 @@ _LEN = struct.Struct("<I")
 # (pack_keys / unpack_keys): a list of 4,096 MessagePack strings took ~65 us
 # to encode and as long to decode; one blob is a copy, split in C.
 Keys = bytes
+# DRAM slot numbers as one bytes field, 4 bytes each ("<i4"), back to back.
+Slots32 = bytes
+SLOT_BYTES = 4
 
 
 class WireError(Exception):
@@ -98,6 +102,7 @@ class Welcome(_Msg):
     lease_ttl_ms: int
     ssd: bool
     stats: str  # path of the counters page to map ("" if none): pool/statspage.py
+    ready: str  # path of the ready index to map ("" if none): pool/readymap.py
 
 
 # --- requests (each with an id the reply repeats) ---------------------------
@@ -105,6 +110,16 @@ class Welcome(_Msg):
 class Probe(_Msg):
     id: int
     keys: Keys
+
+
+class Touch(_Msg):
+    """A lookup the instance answered itself from the ready index
+    (pool/readymap.py): the DRAM slots of the run it counted, first block
+    first, for the service to count as a lookup and to refresh the
+    blocks' recency. Never answered: the instance does not wait."""
+
+    id: int
+    slots: Slots32
 
 
 class Promote(_Msg):
@@ -167,8 +182,8 @@ class Ping(_Msg):
     id: int
 
 
-Request = Probe | Promote | Pin | PrepareSave | CompleteStep | AbandonSaves | Discard | DoomPending | Reset | \
-    Counters | WaitProgress | Ping
+Request = Probe | Touch | Promote | Pin | PrepareSave | CompleteStep | AbandonSaves | Discard | DoomPending | \
+    Reset | Counters | WaitProgress | Ping
 
 
 # --- replies ----------------------------------------------------------------
@@ -253,6 +268,8 @@ def decode_client(body: bytes) -> ClientMessage:
     if keys is not None and len(keys) % KEY_BYTES:
         raise WireError(f"{type(msg).__name__}.keys: {len(keys)} bytes is not a whole number of "
                         f"{KEY_BYTES}-byte keys")
+    if isinstance(msg, Touch) and len(msg.slots) % SLOT_BYTES:
+        raise WireError(f"Touch.slots: {len(msg.slots)} bytes is not a whole number of {SLOT_BYTES}-byte slots")
     return msg
 
 
