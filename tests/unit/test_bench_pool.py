@@ -67,7 +67,8 @@ def test_lookup_with_the_ssd_tier_runs_both_stores_with_one(pool):
         ("unix", "probe", 64)]
     assert all(len(r["service_s"]) == len(r["embedded_s"]) == 10 for r in calls)
     probes = [r for r in calls if r.get("call", "probe") == "probe"]
-    assert all(len(r["embedded_known_s"]) == 10 for r in probes)
+    assert all(len(r["embedded_known_s"]) == 10 == len(r["by_call_s"]) for r in probes)
+    assert all(r["mapped"] == 1.0 for r in probes)  # every lookup of a request held whole: no call
     pool.print_lookup(out)  # both peers of a probe in its row, the keys-known one alone in a pin's
 
 
