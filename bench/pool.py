@@ -65,6 +65,7 @@ Usage: .venv/bin/python bench/pool.py {lookup,scale,ttft,all} [--seconds 10] [--
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -346,18 +347,30 @@ def run_lookup(args: argparse.Namespace) -> dict:
                         by_call: list[float] = []
                         here: list[float] = []
                         known: list[float] = []
-                        before = service_probe_seconds(meta)
-                        mapped = pool.mapped_lookups
+                        # A request whose last block is new (a conversation's
+                        # next turn): the run stops before the last key.
+                        new = hashlib.blake2b(b"new turn", digest_size=16).digest()
+                        partial = KeyRun([*keys, new], keys.packed + new)
+                        head: list[float] = []
+                        head_call: list[float] = []
+                        spent = [0.0, 0.0]  # the service's seconds and calls in its store, for the probes by call
+                        mapped, heads = pool.mapped_lookups, pool.mapped_heads
                         for _ in range(rounds):
                             remote += time_calls(lambda: pool.probe(keys), per_round, gap)
+                            before = service_probe_seconds(meta)
                             by_call += time_calls(lambda: called.probe(keys), per_round, gap)
+                            after = service_probe_seconds(meta)
+                            spent = [spent[0] + after[0] - before[0], spent[1] + after[1] - before[1]]
+                            head += time_calls(lambda: pool.probe(partial), per_round, gap)
+                            head_call += time_calls(lambda: called.probe(partial), per_round, gap)
                             here += time_calls(local.probe, per_round, gap, make_arg=lambda: fresh_keys(keys))
                             known += time_calls(lambda: local.probe(keys), per_round, gap)
-                        after = service_probe_seconds(meta)
-                        in_store = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+                        in_store = spent[0] / max(1.0, spent[1])
                         out["rows"].append({"transport": transport, "block": b, "keys": len(keys),
                                             "service_s": remote, "by_call_s": by_call,
                                             "mapped": (pool.mapped_lookups - mapped) / len(remote),
+                                            "last_new_s": head, "last_new_by_call_s": head_call,
+                                            "heads": (pool.mapped_heads - heads) / len(head),
                                             "embedded_s": here, "embedded_known_s": known,
                                             "in_store_s": in_store})
                     # The load's next call: the scheduler pins the blocks it found.
@@ -472,7 +485,14 @@ def print_lookup(res: dict) -> None:
             c50, c99 = percentiles_us(row["by_call_s"])
             print(f"| {what}, by call | {via} | {c50:.0f} | {c99:.0f} | {store} | {new} | {known} | "
                   f"{c50 / e50:.2f}x | {c99 / GOAL_LOOKUP_P99_US:.2f}x of budget |")
-            what, store = f"{what}, ready index mapped ({row['mapped']:.0%} without a call)", ""
+            print(f"| {what}, ready index mapped ({row['mapped']:.0%} without a call) | {via} | {s50:.0f} | "
+                  f"{s99:.0f} | | {new} | {known} | {s50 / e50:.2f}x | {goal} |")
+            for label, times in ((", by call", row["last_new_by_call_s"]),
+                                 (f", head counted in the mapped index ({row['heads']:.0%})", row["last_new_s"])):
+                h50, h99 = percentiles_us(times)
+                print(f"| {call} {row['keys'] + 1} keys, the last one new{label} | {via} | {h50:.0f} | {h99:.0f} | "
+                      f"| | | | |")
+            continue
         print(f"| {what} | {via} | {s50:.0f} | {s99:.0f} | {store} | {new} | {known} | {s50 / e50:.2f}x | {goal} |")
 
 

@@ -636,17 +636,18 @@ class TieredStore:
         with self._lock:
             self._start_ready_locked(memory)
 
-    def touched(self, slots: np.ndarray) -> None:
+    def touched(self, slots: np.ndarray, *, lookup: bool = True) -> None:
         """A run of plain READY DRAM blocks that an instance counted in the
         shared ready index (``slots``, first block first): counted as a
-        lookup that found them, and stamped as :meth:`probe` stamps such a
-        run. A slot whose block has left the index since (evicted,
-        discarded) is passed over; one given to another block READY since
-        refreshes that block instead, an approximation of the recency
-        only."""
+        lookup that found them (``lookup=False``: as the head of the probe
+        that follows, which counts the lookup), and stamped as
+        :meth:`probe` stamps such a run. A slot whose block has left the
+        index since (evicted, discarded) is passed over; one given to
+        another block READY since refreshes that block instead, an
+        approximation of the recency only."""
         n = len(slots)
         with self._lock:
-            self._c.lookups += 1
+            self._c.lookups += lookup
             self._c.lookup_hits += n
             ready = self._ready
             if ready is None or not n:

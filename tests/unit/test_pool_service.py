@@ -221,13 +221,15 @@ def test_a_run_all_in_dram_is_counted_in_the_shared_index_and_told_to_the_servic
     assert b.mapped_lookups == 1 and b._next_id == sent + 1 and not b._unanswered  # one message, no reply
     assert b.flush()  # a call after it: its answer is the next one read
     assert service.lookups_by_instance()["b"][:2] == (12, 12)  # keys asked, found in DRAM (two lookups)
-    # A run that does not reach the last key is the service's to count.
+    # A run that does not reach the last key: the rest is the service's to
+    # count, told the head's slots (one lookup).
     assert b.probe(ks + keys(3, 2)) == Probe(6, 6)
-    assert b.mapped_lookups == 1
+    assert b.mapped_lookups == 1 and b.mapped_heads == 1
+    assert service.lookups_by_instance()["b"][:2] == (20, 18)
     # A block that left is not counted by the next lookup, wherever it is made.
     assert a.discard([ks[3]]) == 1
     assert a.flush()  # answered once the discard's bookkeeping is done (a lookup before it: its pin fails)
-    assert b.probe(ks).ready == 3 and b.mapped_lookups == 1
+    assert b.probe(ks).ready == 3 and b.mapped_lookups == 1 and b.mapped_heads == 2
     assert b.probe(ks[:3]) == Probe(3, 3) and b.mapped_lookups == 2
     c = client(service, name="c", map_ready=False)
     assert c.probe(ks[:3]) == Probe(3, 3) and c.mapped_lookups == 0
@@ -254,19 +256,21 @@ def test_a_block_evicted_by_a_save_is_not_counted_from_the_shared_index(service:
     assert b.probe(old).ready == held
 
 
-@pytest.mark.parametrize("mapped", [True, False], ids=["counted-in-the-shared-index", "by-call"])
+@pytest.mark.parametrize("how", ["counted-in-the-shared-index", "head-counted-there", "by-call"])
 def test_a_prefix_another_instance_looked_up_outlives_newer_blocks_under_pressure(
-        service: MetaService, monkeypatch: pytest.MonkeyPatch, mapped: bool) -> None:
+        service: MetaService, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     # The service answers a probe before it refreshes the run's recency: the
     # refresh must still happen, before the session's next call. A run the
-    # instance counted in the shared index is refreshed from its Touch.
+    # instance counted in the shared index is refreshed from its Touch, or
+    # from the slots sent with the lookup of the rest.
     monkeypatch.setattr(store_module, "READY_LAG_S", 0.0)
-    a, b = client(service, name="a"), client(service, name="b", map_ready=mapped)
+    a, b = client(service, name="a"), client(service, name="b", map_ready=how != "by-call")
     old, newer = keys(30, 20), keys(31, 20)
     save(a, old, step=1)
     save(a, newer, step=2)
-    assert b.probe(old).ready == 20
-    assert b.mapped_lookups == mapped
+    assert b.probe(old + (keys(32, 1) if how == "head-counted-there" else [])).ready == 20
+    assert (b.mapped_lookups, b.mapped_heads) == {"counted-in-the-shared-index": (1, 0), "head-counted-there": (0, 1),
+                                                  "by-call": (0, 0)}[how]
     b.flush()  # a call after the probe on the same connection: answered once the refresh is done
     step = 3
     while all(map(service.store.contains, newer)) and step < 40:  # fill until the pool evicts
@@ -796,6 +800,14 @@ def test_a_touch_is_never_answered_and_one_of_broken_slots_ends_only_that_sessio
     assert isinstance(reply, wire.Error) and "Touch.slots: 6 bytes" in reply.message
     assert _answer(s) is None  # closed
     assert good.probe(ks).ready == 2 and good.connected
+    s = _raw(service)
+    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "raw", 1, 1, RANK_BYTES)))
+    assert isinstance(_answer(s), wire.Welcome)
+    s.sendall(wire.encode(wire.Probe(7, ks[1], b"\0" * 5)))
+    reply = _answer(s)
+    assert isinstance(reply, wire.Error) and "Probe.ahead: 5 bytes" in reply.message
+    assert _answer(s) is None
+    assert service.bad_messages == 2
 
 
 @pytest.mark.parametrize(("token", "starts"), [("", True), ("wrong", False)])

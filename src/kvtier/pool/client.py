@@ -33,8 +33,9 @@ of the lease's time so that the session's leases hold.
 
 Two files of the service's are read without a call: its counters page
 (pool/statspage.py) and its ready index (pool/readymap.py), where a lookup
-whose whole run is plain READY in DRAM is counted; the service is then
-told of it without waiting (wire.Touch). Any other lookup is a call.
+counts its leading run of plain READY DRAM blocks. A run that covers the
+request is the answer, and the service is told of it without waiting
+(wire.Touch); else the rest of the keys is a call, the head's slots with it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import msgspec
 import numpy as np
 
 from kvtier.config import POOL_CALL_TIMEOUT_S
+from kvtier.keys import KEY_BYTES
 from kvtier.pool import wire
 from kvtier.pool.service import parse_url
 from kvtier.pool.readymap import ReadyMap
@@ -141,6 +143,7 @@ class PoolPlacement:
         self.attempts = 0  # reconnections tried by the client's thread
         self.deferred = 0  # settling calls that found the connection busy and went with the next call
         self.mapped_lookups = 0  # lookups counted in the service's ready index, without a call
+        self.mapped_heads = 0  # lookups whose head was counted there, the rest by call
         if connect:
             sock, welcome = self._open()  # the first connection's refusal is a start-up error
             with self._lock:
@@ -409,22 +412,28 @@ class PoolPlacement:
         if not keys:
             return Probe(0, 0)
         blob = wire.pack_keys(keys)
+        head, ahead = 0, b""  # the leading run counted in the service's ready index, and its slots
         hangup = self._hangup
         if self.map_ready and self._sock is not None and hangup is not None and not hangup.poll(0):
             ready = self._mapped("ready", ReadyMap.attach)
             run = ready.leading(np.frombuffer(blob, dtype="<u8").reshape(-1, 2)) if ready is not None else None
-            if run is not None and run[0] == len(keys):
+            if run is not None and run[0]:
+                head, ahead = run[0], run[1].astype("<i4").tobytes()
+            if head == len(keys):
                 # Counted without a call; the service is told the run's slots
                 # (its tallies, the blocks' recency), and we do not wait.
-                if self._call(wire.Touch(0, run[1].astype("<i4").tobytes())) is None:
+                if self._call(wire.Touch(0, ahead)) is None:
                     return Probe(0, 0)  # down: a miss, as any lookup now
                 self.mapped_lookups += 1
-                return Probe(run[0], run[0])
-        r = self._call(wire.Probe(0, blob))
-        if not isinstance(r, wire.ProbeReply) or not 0 <= r.ready <= r.total <= len(keys) \
+                return Probe(head, head)
+        # The service counts the rest (SSD, moves, the cluster), told the
+        # head's slots with it: one lookup, counted once.
+        r = self._call(wire.Probe(0, blob[head * KEY_BYTES :] if head else blob, ahead))
+        if not isinstance(r, wire.ProbeReply) or not 0 <= r.ready <= r.total <= len(keys) - head \
                 or not 0 <= r.remote <= r.total - r.ready:
             return Probe(0, 0)  # down, or an answer that cannot be right: a miss
-        return Probe(r.ready, r.total, r.remote)
+        self.mapped_heads += head > 0
+        return Probe(head + r.ready, head + r.total, r.remote)
 
     def promote(self, keys: Sequence[bytes]) -> int:
         r = self._call(wire.Promote(0, wire.pack_keys(keys)))

@@ -9,13 +9,14 @@ wait, not the count (~0.3 ms of array passes), made the tail: p99 over
 that index in a file of shared memory beside its arena, and each instance
 maps it read-only and counts the leading keys there itself.
 
-Only a run that covers the whole request is answered that way: the rest of
-a lookup (blocks on SSD, moving, in the cluster) is the service's to count,
-by call. The instance then tells the service what it counted without
-waiting for an answer (wire.Touch, the run's slots): the service counts
-the lookup for its hit counters and stamps the blocks for their recency,
-as it does for a run it counts itself (one array call, where counting the
-run again cost it as much as the instance's count).
+A run that covers the whole request is answered that way, and the
+instance tells the service what it counted without waiting for an answer
+(wire.Touch, the run's slots): the service counts the lookup for its hit
+counters and stamps the blocks for their recency, as it does for a run it
+counts itself (one array call, where counting the run again cost it as
+much as the instance's count). A run that stops early leaves the rest of
+the keys (blocks on SSD, moving, in the cluster) to the service, asked by
+call with the head's slots (wire.Probe.ahead).
 
 The index changes under the reader: the service makes its sequence number
 odd while it changes the table and even after (a seqlock, ready_index.py).

@@ -666,10 +666,7 @@ class MetaService:
             # not wait: counted here for the tallies, stamped for the recency.
             slots = np.frombuffer(msg.slots, dtype="<i4").astype(np.intp)
             store.touched(slots)
-            with self._lock:
-                tally = self._lookups.setdefault(s.name, [0, 0, 0, 0])
-                tally[0] += len(slots)
-                tally[1] += len(slots)
+            self._tally(s, len(slots), len(slots))
             reply = None
         elif isinstance(msg, wire.Probe):
             # The keys stay one buffer: the store's ready index reads them as
@@ -680,13 +677,16 @@ class MetaService:
             # sent (near half the probe's time for 4,096 keys): the instance's
             # scheduler waits for the count only.
             p = store.probe(keys, refresh=False)
-            refresh = p.total > p.remote
-            with self._lock:
-                tally = self._lookups.setdefault(s.name, [0, 0, 0, 0])
-                tally[0] += len(keys)
-                tally[1] += p.ready
-                tally[2] += p.total - p.ready - p.remote
-                tally[3] += p.remote
+            refresh = p.total > p.remote or bool(msg.ahead)
+            ahead = 0
+            if msg.ahead:
+                # The head of the lookup, counted by the instance in the shared
+                # ready index: stamped after the rest, so that it comes out
+                # the more recent (a prefix's head outlives its tail).
+                slots = np.frombuffer(msg.ahead, dtype="<i4").astype(np.intp)
+                store.touched(slots, lookup=False)
+                ahead = len(slots)
+            self._tally(s, ahead + len(keys), ahead + p.ready, p.total - p.ready - p.remote, p.remote)
             reply = wire.ProbeReply(msg.id, p.ready, p.total, p.remote)
         elif isinstance(msg, wire.Pin):
             keys = wire.unpack_keys(msg.keys)
@@ -726,6 +726,15 @@ class MetaService:
         if self.rpc_seconds is not None:
             self.rpc_seconds(type(msg).__name__, spent)
         return reply, None
+
+    def _tally(self, s: Session, asked: int, dram: int, ssd: int = 0, remote: int = 0) -> None:
+        """Count a lookup of ``s``'s: keys asked, found in DRAM, on SSD only, in the cluster only."""
+        with self._lock:
+            tally = self._lookups.setdefault(s.name, [0, 0, 0, 0])
+            tally[0] += asked
+            tally[1] += dram
+            tally[2] += ssd
+            tally[3] += remote
 
     def _refresh(self, store: TieredStore, call: str, spent: float) -> None:
         """A call's second part, after its answer: the recency of the run a

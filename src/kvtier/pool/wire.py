@@ -110,6 +110,10 @@ class Welcome(_Msg):
 class Probe(_Msg):
     id: int
     keys: Keys
+    # The DRAM slots of a run the instance counted in the shared ready index
+    # (pool/readymap.py) just before ``keys``, first block first: counted
+    # with this lookup and stamped as a Touch's, more recent than ``keys``.
+    ahead: Slots32 = b""
 
 
 class Touch(_Msg):
@@ -268,8 +272,10 @@ def decode_client(body: bytes) -> ClientMessage:
     if keys is not None and len(keys) % KEY_BYTES:
         raise WireError(f"{type(msg).__name__}.keys: {len(keys)} bytes is not a whole number of "
                         f"{KEY_BYTES}-byte keys")
-    if isinstance(msg, Touch) and len(msg.slots) % SLOT_BYTES:
-        raise WireError(f"Touch.slots: {len(msg.slots)} bytes is not a whole number of {SLOT_BYTES}-byte slots")
+    slots = msg.slots if isinstance(msg, Touch) else msg.ahead if isinstance(msg, Probe) else b""
+    if len(slots) % SLOT_BYTES:
+        field = "Touch.slots" if isinstance(msg, Touch) else "Probe.ahead"
+        raise WireError(f"{field}: {len(slots)} bytes is not a whole number of {SLOT_BYTES}-byte slots")
     return msg
 
 
