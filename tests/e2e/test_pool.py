@@ -149,6 +149,12 @@ def pool_hits(node: Node) -> dict[tuple[str, str], float]:
     return out
 
 
+def pool_calls(node: Node, call: str) -> float:
+    """How many ``call`` messages the service has handled (its RPC histogram's count)."""
+    text = httpx.get(node.meta.metrics_url + "/metrics", timeout=5).text
+    return parse_metrics(text).get(f'kvtier_pool_rpc_seconds_count{{call="{call}"}}', 0.0)
+
+
 def test_a_prefix_prefilled_on_a_is_a_dram_hit_on_b(node: Node) -> None:
     a, b = node.servers["a"], node.servers["b"]
     assert len(node.wait_clients(2)["clients"]) == 2
@@ -156,10 +162,14 @@ def test_a_prefix_prefilled_on_a_is_a_dram_hit_on_b(node: Node) -> None:
     complete(a, prompt)
     device_hit = complete(a, prompt)
     pool_before = pool_hits(node)
+    touches = pool_calls(node, "Touch")
     before = b.metrics()
     on_b = complete(b, prompt)
     after = b.metrics()
     assert delta(after, before, EXT_HITS) == 20 * BLOCK
+    # B counted the run in the service's ready index, mapped: a Touch told
+    # the service, no lookup call was answered for it.
+    assert pool_calls(node, "Touch") > touches
     assert delta(after, before, HOST) == 20 * BLOCK
     assert_loads_succeeded(before, after, 20 * BLOCK)
     assert on_b["text"] == device_hit["text"]

@@ -923,9 +923,12 @@ def test_counters_are_read_from_the_services_page_without_a_call(service: MetaSe
     assert c._next_id == calls  # read, not asked
     page = Path(c._maps["stats"].path)
     assert page.parent == Path(service.opts.store.shm_dir) and page.stat().st_mode & 0o777 == 0o600
+    assert c.probe(keys(41, 3)) == Probe(3, 3)
+    ready = Path(c._maps["ready"].path)  # the ready index, mapped by the lookup
+    assert ready.parent == page.parent and ready.stat().st_mode & 0o777 == 0o600
     c.shutdown()
     service.stop()
-    assert not page.exists()  # the service's own file, gone with it
+    assert not page.exists() and not ready.exists()  # the service's own files, gone with it
 
 
 def test_without_the_page_counters_are_asked_of_the_service_once_per_interval(
