@@ -416,7 +416,10 @@ class PoolPlacement:
         hangup = self._hangup
         if self.map_ready and self._sock is not None and hangup is not None and not hangup.poll(0):
             ready = self._mapped("ready", ReadyMap.attach)
-            run = ready.leading(np.frombuffer(blob, dtype="<u8").reshape(-1, 2)) if ready is not None else None
+            # The last key first: one not held ends the run before the end
+            # (a conversation's next turn), and the service counts it whole.
+            run = ready.leading(np.frombuffer(blob, dtype="<u8").reshape(-1, 2)) \
+                if ready is not None and ready.holds(bytes(blob[-KEY_BYTES:])) else None
             if run is not None and run[0]:
                 head, ahead = run[0], run[1].astype("<i4").tobytes()
             if head == len(keys):
