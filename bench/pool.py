@@ -319,6 +319,22 @@ def save_requests(placement: Placement, tier: DramTier, requests: dict[int, KeyR
         assert placement.probe(keys).ready == len(keys)
 
 
+def wait_mapped(pool: PoolPlacement, requests: dict[int, KeyRun], timeout_s: float = 30.0) -> None:
+    """Until the service's ready index holds the requests saved: a few tens
+    of ms after their saves (READY_LAG_S, or the service's timer), their
+    lookups are counted without a call."""
+    deadline = time.monotonic() + timeout_s
+    for keys in requests.values():
+        while True:
+            before = pool.mapped_lookups
+            assert pool.probe(keys).ready == len(keys)
+            if pool.mapped_lookups > before:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the service's ready index never held the requests saved")
+            time.sleep(0.01)
+
+
 def run_lookup(args: argparse.Namespace) -> dict:
     requests, dram_bytes = lookup_requests(args.tokens)
     blocks = tuple(requests)
@@ -342,6 +358,7 @@ def run_lookup(args: argparse.Namespace) -> dict:
                     m = parse_metrics(httpx.get(meta.metrics_url + "/metrics", timeout=10).text)
                     out.setdefault("ssd_bytes", {})[transport] = m.get('kvtier_pool_capacity_bytes{tier="ssd"}', 0.0)
                     save_requests(pool, tier, requests)
+                    wait_mapped(pool, requests)
                     for b, keys in requests.items():
                         remote: list[float] = []
                         by_call: list[float] = []

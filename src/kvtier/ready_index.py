@@ -79,7 +79,8 @@ class ReadyIndex(KeyTable):
             self._seq = np.frombuffer(memory, dtype="<u8", count=1, offset=8)
         self._in = np.zeros(max(1, num_slots), dtype=bool)  # the slot's key is in the table
         self._count = 0
-        self.flushed_at = 0.0  # time.monotonic() of the last flush
+        self.flushed_at = time.monotonic()  # of the last flush (or of the making)
+        self.leaving = 0  # keys noted since the last flush that its table holds (the store counts them)
         self.changes: dict[bytes, int] = {}  # key -> its slot, or -1: out (written by set, unset, and the store)
 
     def count(self) -> int:
@@ -114,9 +115,11 @@ class ReadyIndex(KeyTable):
         want = np.frombuffer(joined, dtype="<u8").reshape(n, 2)
         slots = np.fromiter(changes.values(), dtype=np.int64, count=n)
         changes.clear()
+        self.leaving = 0
         found = self._find_array(want) if self._count else np.full(n, -1, dtype=np.int64)
         new = slots >= 0
-        self._seq += 1  # odd: readers of the shared form look again, or ask the service
+        seq = int(self._seq[0]) | 1
+        self._seq[0] = seq  # odd: readers of the shared form look again, or ask the service
         gone = np.concatenate([found[found >= 0], slots[new][self._in[slots[new]]]])
         if gone.size:
             gone = np.unique(gone)
@@ -129,7 +132,7 @@ class ReadyIndex(KeyTable):
             self._insert_many(add)
             self._in[add] = True
             self._count += int(add.size)
-        self._seq += 1  # even: whole again (left odd by a failure on the way: readers ask the service)
+        self._seq[0] = seq + 1  # even: whole again (left odd by a failure on the way, until the next flush)
 
     def leading(self, want: np.ndarray) -> tuple[int, np.ndarray]:
         """How many of the leading keys, given as an (n, 2) "<u8" array of
@@ -139,6 +142,10 @@ class ReadyIndex(KeyTable):
         if not self._count:
             return 0, NO_SLOTS
         return self.run_of(want)
+
+    def holds_at(self, key: bytes, slot: int) -> bool:
+        """Whether the table holds ``key`` at ``slot`` (as of the last flush)."""
+        return bool(self._in[slot]) and self._key_bytes[slot * KEY_BYTES : (slot + 1) * KEY_BYTES] == key
 
     def held_slots(self, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` (valid slot numbers) hold a key in the table, as

@@ -164,26 +164,36 @@ class _OddKeys(set):
     discarded enters it at its entry's slot (or leaves it with its entry).
     The store changes the set with these calls only."""
 
-    __slots__ = ("_entries", "_changes")
+    __slots__ = ("_entries", "_changes", "_shared")
 
     def __init__(self, entries: dict[bytes, _Entry], ready: ReadyIndex) -> None:
         super().__init__()
         self._entries = entries
         self._changes = ready.changes
+        # Shared (the meta service's), the index counts the blocks that leave
+        # its table (ReadyIndex.leaving): instances read it without a call.
+        self._shared = ready if ready.shared else None
 
     # The index's change dict written here, not through its methods: one
     # Python call a change instead of two, on every save's path.
     def add(self, key: bytes, _add=set.add) -> None:  # noqa: ANN001 - set.add, bound once
+        shared = self._shared
+        if shared is not None and key not in self:
+            e = self._entries.get(key)
+            if e is not None and shared.holds_at(key, e.slot):  # plain READY until now, in the table
+                shared.leaving += 1
         _add(self, key)
         self._changes[key] = -1
 
     def discard(self, key: bytes, _discard=set.discard) -> None:  # noqa: ANN001
-        _discard(self, key)
         e = self._entries.get(key)
+        if e is None and self._shared is not None and key not in self:
+            self._shared.leaving += 1  # a plain READY block dropped: its key may be in the table
+        _discard(self, key)
         self._changes[key] = -1 if e is None else e.slot
 
     def add_all(self, keys: list[bytes]) -> None:
-        """:meth:`add` of ``keys``."""
+        """:meth:`add` of ``keys``, new to the pool (never in the index's table)."""
         set.update(self, keys)
         self._changes.update(dict.fromkeys(keys, -1))
 
@@ -652,7 +662,7 @@ class TieredStore:
             ready = self._ready
             if ready is None or not n:
                 return
-            if ready.changes and -1 in ready.changes.values():
+            if ready.leaving:
                 ready.flush()  # blocks that left, out of ready._in
             slots = slots[(slots >= 0) & (slots < self.tier.num_slots)]
             slots = slots[ready.held_slots(slots)]
@@ -716,14 +726,24 @@ class TieredStore:
                 self._stamped = int(np.count_nonzero(self._stamps))  # a block probed again is counted once
                 if self._stamped > STAMPS_PENDING_MAX:
                     self._apply_stamps_locked()
-            ready = self._ready
-            if ready is not None and ready.changes and (len(ready.changes) >= READY_BATCH or ready.shared and (
-                    -1 in ready.changes.values() or time.monotonic() - ready.flushed_at >= READY_LAG_S)):
-                # Shared (instances count runs in it without a call), a block
-                # that left goes at once: it would be counted, and its pin
-                # fail. Blocks made READY wait up to READY_LAG_S, a flush
-                # costing 0.15-0.6 ms: meanwhile a lookup of them is a call.
-                ready.flush()
+            self._flush_ready_due_locked()
+
+    def flush_ready(self) -> None:
+        """Apply the ready index's changes if they are due (the meta
+        service's timer: blocks that left, or made READY, while no call
+        came to settle)."""
+        with self._lock:
+            self._flush_ready_due_locked()
+
+    def _flush_ready_due_locked(self) -> None:
+        ready = self._ready
+        if ready is not None and ready.changes and (len(ready.changes) >= READY_BATCH or ready.shared and (
+                ready.leaving or time.monotonic() - ready.flushed_at >= READY_LAG_S)):
+            # Shared (instances count runs in it without a call), a block
+            # that left goes at once: it would be counted, and its pin fail.
+            # Blocks made READY wait up to READY_LAG_S, a flush costing
+            # 0.15-0.6 ms: meanwhile a lookup of them is a call.
+            ready.flush()
 
     def _flush_refreshes_locked(self) -> None:
         if self._unrefreshed:

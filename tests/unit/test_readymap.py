@@ -8,8 +8,11 @@ The service and its clients over it: test_pool_service.py."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +50,6 @@ def pair(tmp_path: Path):  # noqa: ANN201 - (writer's map, its index, a reader's
     reader = ReadyMap.attach(made.path)
     yield made, index, reader
     reader.close()
-    del index
     made.close()
 
 
@@ -137,11 +139,14 @@ def test_the_file_is_the_service_s_own_and_goes_with_it(tmp_path: Path) -> None:
     index.set(K(5), 5)
     index.flush()
     reader = ReadyMap.attach(made.path)
+    assert reader.holds(K(5)) and not reader.holds(K(6))
     reader.close()
-    assert path.exists()  # a reader's close leaves the file
-    del index
+    assert path.exists() and reader._mm.closed  # a reader's close unmaps, and leaves the file
+    assert not reader.holds(K(5)) and reader.leading(halves([K(5)])) is None  # closed: the service is asked
     made.close()
-    assert not path.exists()
+    assert not path.exists() and not made._mm.closed  # the store's arrays still use it: mapped until they go
+    del index
+    gc.collect()
 
 
 def test_a_file_that_is_no_ready_index_is_refused_by_name(tmp_path: Path) -> None:
@@ -162,3 +167,52 @@ def test_a_file_that_is_no_ready_index_is_refused_by_name(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="hold no ready index"):
         ReadyIndex(1000, made.memory)
     made.close()
+
+
+def test_a_reader_never_takes_a_count_made_while_a_flush_changed_the_table(pair) -> None:  # noqa: ANN001
+    # The writer flushes in one thread, the reader counts in another, the
+    # interpreter switching between them every few bytecodes. Keys that
+    # are in the table before and after every flush must be counted whole
+    # in every count the reader keeps; a count over a table half changed
+    # (a flush takes a key set again out and puts it back, and moves keys
+    # that stay into the holes others leave) would stop short of them.
+    _, index, reader = pair
+    stable = [K(i) for i in range(8)]
+    for slot, key in enumerate(stable):
+        index.set(key, slot)
+    index.flush()
+    churn = [K(1000 + i) for i in range(30)]
+    stop = threading.Event()
+    flushes = [0]
+
+    def write() -> None:
+        rng = random.Random(5)
+        while not stop.is_set():
+            for slot, key in enumerate(rng.sample(churn, 20), start=8):
+                index.set(key, slot)
+            for slot, key in enumerate(stable):  # set again where it is: out of the table and back in one flush
+                index.set(key, slot)
+            index.flush()
+            for key in churn:
+                index.unset(key)
+            index.flush()
+            flushes[0] += 2
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    writer = threading.Thread(target=write)
+    writer.start()
+    kept = asked = 0
+    try:
+        want = halves(stable)
+        while (kept < 300 or flushes[0] < 200) and asked < 200_000:
+            asked += 1
+            run = reader.leading(want)
+            if run is not None:
+                kept += 1
+                assert run[0] == len(stable) and run[1].tolist() == list(range(8))
+    finally:
+        stop.set()
+        writer.join()
+        sys.setswitchinterval(old)
+    assert kept >= 300 and flushes[0] >= 200

@@ -217,3 +217,32 @@ def test_a_run_counted_in_the_shared_index_is_counted_and_stamped_as_the_service
     served.refresh()
     assert list(sp.victims()) == list(pp.victims())
     assert served.odd_keys_consistent()
+
+
+def test_only_a_block_that_leaves_the_shared_index_makes_its_flush_urgent(
+        pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Instances read the meta service's index without a call: a block that
+    # leaves it goes at the next settle; new PENDING blocks (never in it)
+    # and blocks made READY wait for READY_LAG_S (a flush costs 0.15-0.6 ms).
+    served, _, _, _ = pair()
+    served.share_ready(memoryview(bytearray(memory_bytes(SLOTS))))
+    ready = served._ready
+    monkeypatch.setattr(store_module, "READY_LAG_S", 3600.0)
+    a = [K(i) for i in range(6)]
+    save_ready([served], a, 0)
+    served.settle()
+    assert ready.changes and ready.run_of(P(a).array())[0] == 0  # READY, not in the index yet
+    served.refresh()  # applies them whatever the lag
+    assert ready.run_of(P(a).array())[0] == 6 and ready.leaving == 0
+    assert None not in served.prepare_save([K(50), K(51)], 1)
+    served.settle()
+    assert ready.leaving == 0 and ready.changes  # not due: no block a reader counts has left
+    assert served.discard([a[2]]) == 1
+    assert ready.leaving == 1
+    served.settle()
+    assert not ready.changes and ready.run_of(P(a).array())[0] == 2
+    served.complete_step(1)  # K(50), K(51) READY
+    monkeypatch.setattr(store_module, "READY_LAG_S", 0.0)
+    served.flush_ready()  # the service's timer, no call to settle
+    assert not ready.changes and ready.run_of(P([K(50), K(51)]).array())[0] == 2
+    assert served.odd_keys_consistent()

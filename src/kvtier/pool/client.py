@@ -409,7 +409,7 @@ class PoolPlacement:
         return self._welcome.num_slots if self._welcome else 0
 
     def probe(self, keys: Sequence[bytes]) -> Probe:
-        if not keys:
+        if not keys or self._closed.is_set():
             return Probe(0, 0)
         blob = wire.pack_keys(keys)
         head, ahead = 0, b""  # the leading run counted in the service's ready index, and its slots
@@ -515,7 +515,7 @@ class PoolPlacement:
         again after a reconnection to another service; None if it named
         none or it cannot be mapped (asked of the service instead)."""
         welcome = self._welcome
-        path = getattr(welcome, kind) if welcome is not None else ""
+        path = getattr(welcome, kind) if welcome is not None and not self._closed.is_set() else ""
         have = self._maps.get(kind)
         if have is not None and have.path == path:
             return have
@@ -535,9 +535,10 @@ class PoolPlacement:
         """Close the session; the service releases whatever it still holds of it."""
         self._closed.set()
         self._wake.set()
-        for mapped in self._maps.values():
-            mapped.close()
-        self._maps.clear()
+        for kind in list(self._maps):  # a probe of the scheduler's may be reading one: see ReadyMap.close
+            mapped = self._maps.pop(kind, None)
+            if mapped is not None:
+                mapped.close()
         with self._lock:
             if self._sock is not None:
                 self._sock.close()

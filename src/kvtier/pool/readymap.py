@@ -49,9 +49,9 @@ class ReadyMap(SharedFile):
     in :attr:`memory`) or :meth:`attach` (an instance, which reads it with
     :meth:`leading`)."""
 
-    memory: memoryview
-    _table: KeyTable
-    _seq: np.ndarray
+    memory: memoryview | None = None
+    _table: KeyTable | None = None
+    _seq: np.ndarray | None = None
 
     @classmethod
     def create(cls, path: str, num_slots: int) -> ReadyMap:
@@ -82,8 +82,9 @@ class ReadyMap(SharedFile):
     def holds(self, key: bytes) -> bool:
         """Whether the index holds ``key`` now, looked at once (a read torn
         by a change can only send a lookup the slower way)."""
+        table = self._table  # None once closed (by another thread, maybe)
         try:
-            return self._table._find(key)[1] >= 0
+            return table is not None and table._find(key)[1] >= 0
         except IndexError:
             return False
 
@@ -92,13 +93,15 @@ class ReadyMap(SharedFile):
         halves) the service's ready index holds, and their slots, counted
         while the index did not change; None if it changed under every try
         (ask the service)."""
-        seq = self._seq
+        seq, table = self._seq, self._table  # None once closed (by another thread, maybe)
+        if seq is None or table is None:
+            return None
         for _ in range(_TRIES):
             before = int(seq[0])
             if before & 1:
                 continue
             try:
-                run = self._table.run_of(want)
+                run = table.run_of(want)
             except IndexError:  # a slot read mid-change past the keys (it cannot be: each is whole)
                 continue
             if int(seq[0]) == before:
@@ -106,10 +109,10 @@ class ReadyMap(SharedFile):
         return None
 
     def close(self) -> None:
-        """Unmap (once nothing reads it: the views go first) and, the service's, remove."""
-        self.__dict__.pop("_table", None)
-        self.__dict__.pop("_seq", None)
-        memory = self.__dict__.pop("memory", None)
+        """Unmap and, the service's, remove. The views go first; while a
+        reader (or the store) still holds one the mapping stays (mmap
+        refuses to close), and goes with the last of them."""
+        memory, self.memory, self._table, self._seq = self.memory, None, None, None
         if memory is not None:
             try:
                 memory.release()

@@ -465,7 +465,7 @@ class MetaService:
         try:
             ready = ReadyMap.create(self._ready_stem + secrets.token_hex(4), store.tier.num_slots)
             store.share_ready(ready.memory)
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - an optimisation: instances look up by call instead
             log.warning("kvtier meta: no shared ready index in %s (%s); instances look up by call",
                         self.opts.store.shm_dir, err)
             if ready is not None:
@@ -754,6 +754,9 @@ class MetaService:
             if store is None:
                 continue
             try:
+                # The ready index's changes that no call has settled (blocks
+                # made READY, or freed by the I/O threads, while all were idle).
+                store.flush_ready()
                 values = store.counters()
                 with self._lock:  # stop() closes the page under it
                     if self._stats_page is not None and not self._stop.is_set():
