@@ -650,8 +650,9 @@ class TieredStore:
         """A run of plain READY DRAM blocks that an instance counted in the
         shared ready index (``slots``, first block first): counted as a
         lookup that found them (``lookup=False``: as the head of the probe
-        that follows, which counts the lookup), and stamped as
-        :meth:`probe` stamps such a run. A slot whose block has left the
+        that follows, which counts the lookup), and its recency refreshed
+        as :meth:`probe` with ``refresh=False`` does: a long run stamped,
+        a short one kept for :meth:`settle`. A slot whose block has left the
         index since (evicted, discarded) is passed over; one given to
         another block READY since refreshes that block instead, an
         approximation of the recency only."""
@@ -666,8 +667,14 @@ class TieredStore:
                 ready.flush()  # blocks that left, out of ready._in
             slots = slots[(slots >= 0) & (slots < self.tier.num_slots)]
             slots = slots[ready.held_slots(slots)]
-            if slots.size:
+            if len(slots) >= PROBE_VECTOR_MIN:
                 self._stamp_locked(slots)
+            elif slots.size:
+                # A run as short as those the service's probe counts key by
+                # key: refreshed once the call is settled, as theirs are, not
+                # stamped and moved whenever the order is next read (later
+                # saves would come out older than it).
+                self._unrefreshed.append((ready.keys_of(slots), True, self._stamp_clock))
 
     def _start_ready_locked(self, memory: memoryview | None = None) -> None:
         """Make the ready index from the entries held now (once: the first

@@ -616,6 +616,14 @@ def _raw(svc: MetaService) -> socket.socket:
     return s
 
 
+def _session(svc: MetaService, name: str) -> socket.socket:
+    """A raw connection whose handshake the service has answered with a Welcome."""
+    s = _raw(svc)
+    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", name, 1, 1, RANK_BYTES)))
+    assert isinstance(_answer(s), wire.Welcome)
+    return s
+
+
 def _answer(s: socket.socket) -> object:
     body = wire.recv_frame(s)
     return None if body is None else wire.decode_server(body)
@@ -685,9 +693,7 @@ def test_a_bad_frame_in_a_session_ends_that_session_alone_and_releases_what_it_h
     good = client(service)
     ks = keys(8, 2)
     save(good, ks, step=1)
-    s = _raw(service)
-    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "bad", 1, 1, RANK_BYTES)))
-    assert isinstance(_answer(s), wire.Welcome)
+    s = _session(service, "bad")
     s.sendall(wire.encode(wire.Pin(1, 1, wire.pack_keys(ks))))  # a load's pins, to be given back
     assert isinstance(_answer(s), wire.Slots)
     assert service.accounting()["pins"] == 2
@@ -775,9 +781,7 @@ def test_a_lookup_answer_that_cannot_be_right_is_a_miss(reply: object) -> None:
 
 def test_a_key_of_the_wrong_length_ends_only_that_session(service: MetaService) -> None:
     good = client(service)
-    s = _raw(service)
-    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "bad", 1, 1, RANK_BYTES)))
-    assert isinstance(_answer(s), wire.Welcome)
+    s = _session(service, "bad")
     s.sendall(wire.encode(wire.Probe(5, b"k" * 16 + b"short")))
     reply = _answer(s)
     assert isinstance(reply, wire.Error) and "16" in reply.message
@@ -790,9 +794,7 @@ def test_a_touch_is_never_answered_and_one_of_broken_slots_ends_only_that_sessio
     good = client(service)
     ks = keys(9, 2)
     save(good, ks, step=1)
-    s = _raw(service)
-    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "raw", 1, 1, RANK_BYTES)))
-    assert isinstance(_answer(s), wire.Welcome)
+    s = _session(service, "raw")
     slots = good.pin(ks, step=2)
     s.sendall(wire.encode(wire.Touch(4, np.array(slots + [-3, 1 << 30], dtype="<i4").tobytes())))
     s.sendall(wire.encode(wire.Ping(5)))
@@ -804,9 +806,7 @@ def test_a_touch_is_never_answered_and_one_of_broken_slots_ends_only_that_sessio
     assert isinstance(reply, wire.Error) and "Touch.slots: 6 bytes" in reply.message
     assert _answer(s) is None  # closed
     assert good.probe(ks).ready == 2 and good.connected
-    s = _raw(service)
-    s.sendall(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "", "raw", 1, 1, RANK_BYTES)))
-    assert isinstance(_answer(s), wire.Welcome)
+    s = _session(service, "raw")
     s.sendall(wire.encode(wire.Probe(7, ks[1], b"\0" * 5)))
     reply = _answer(s)
     assert isinstance(reply, wire.Error) and "Probe.ahead: 5 bytes" in reply.message

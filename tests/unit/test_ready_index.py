@@ -40,6 +40,22 @@ def leading_by_dict(model: dict[bytes, int], keys: list[bytes]) -> int:
     return n
 
 
+def random_change(rng: random.Random, x: float, ix: ReadyIndex, model: dict[bytes, int], keys: list[bytes],
+                  num_slots: int) -> None:
+    """Below 0.45, set a key not in ``model`` at a free slot (if any);
+    else unset one (a key never set is passed over); ``model`` follows."""
+    if x < 0.45:
+        key = rng.choice(keys)
+        free = sorted(set(range(num_slots)) - set(model.values()))
+        if key not in model and free:
+            model[key] = rng.choice(free)
+            ix.set(key, model[key])
+    else:
+        key = rng.choice(list(model) or keys)
+        model.pop(key, None)
+        ix.unset(key)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_sets_and_unsets_match_a_dict(seed: int) -> None:
     rng = random.Random(seed)
@@ -49,19 +65,8 @@ def test_random_sets_and_unsets_match_a_dict(seed: int) -> None:
     keys = [K(i) for i in range(200)] + [os.urandom(16) for _ in range(40)]
     for step in range(3000):
         x = rng.random()
-        if x < 0.45:
-            key = rng.choice(keys)
-            if key in model:
-                continue
-            free = sorted(set(range(num_slots)) - set(model.values()))
-            if not free:
-                continue
-            model[key] = rng.choice(free)
-            ix.set(key, model[key])
-        elif x < 0.8:
-            key = rng.choice(list(model) or keys)
-            model.pop(key, None)
-            ix.unset(key)  # a key never set is passed over
+        if x < 0.8:
+            random_change(rng, x, ix, model, keys, num_slots)
         elif x < 0.9:
             start = rng.randrange(len(keys))
             ask = [rng.choice(list(model)) for _ in range(rng.randrange(0, 40))] if model else []

@@ -21,10 +21,7 @@ import pytest
 from kvtier.pool.readymap import ReadyMap
 from kvtier.ready_index import ReadyIndex, memory_bytes
 from kvtier.tier.key_table import KeyTable
-
-
-def K(i: int) -> bytes:
-    return i.to_bytes(16, "little")
+from tests.unit.test_ready_index import K, leading_by_dict, random_change
 
 
 def halves(keys: list[bytes]) -> np.ndarray:
@@ -34,13 +31,6 @@ def halves(keys: list[bytes]) -> np.ndarray:
 def count(reader: ReadyMap, keys: list[bytes]) -> int | None:
     run = reader.leading(halves(keys))
     return None if run is None else run[0]
-
-
-def leading_by_dict(model: dict[bytes, int], keys: list[bytes]) -> int:
-    n = 0
-    while n < len(keys) and keys[n] in model:
-        n += 1
-    return n
 
 
 @pytest.fixture
@@ -61,17 +51,8 @@ def test_a_reader_of_the_file_counts_what_the_writer_s_index_holds(pair, seed: i
     keys = [K(i) for i in range(150)] + [os.urandom(16) for _ in range(30)]
     for step in range(1500):
         x = rng.random()
-        if x < 0.45:
-            key = rng.choice(keys)
-            free = sorted(set(range(48)) - set(model.values()))
-            if key in model or not free:
-                continue
-            model[key] = rng.choice(free)
-            index.set(key, model[key])
-        elif x < 0.8:
-            key = rng.choice(list(model) or keys)
-            model.pop(key, None)
-            index.unset(key)
+        if x < 0.8:
+            random_change(rng, x, index, model, keys, 48)
         else:
             index.flush()  # what a reader sees: the changes applied
             ask = [rng.choice(list(model)) for _ in range(rng.randrange(0, 30))] if model else []

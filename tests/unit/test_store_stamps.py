@@ -246,3 +246,25 @@ def test_only_a_block_that_leaves_the_shared_index_makes_its_flush_urgent(
     served.flush_ready()  # the service's timer, no call to settle
     assert not ready.changes and ready.run_of(P([K(50), K(51)]).array())[0] == 2
     assert served.odd_keys_consistent()
+
+
+def test_a_short_run_counted_in_the_shared_index_is_refreshed_at_the_settle_as_a_short_probe(
+        pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Below PROBE_VECTOR_MIN the service's probe refreshes a run once the
+    # call is settled; a run an instance counted (a Touch) must come out as
+    # recent, not be stamped and moved after blocks saved later.
+    monkeypatch.setattr(store_module, "PROBE_VECTOR_MIN", 64)
+    served, sp, plain, pp = pair()
+    served.share_ready(memoryview(bytearray(memory_bytes(SLOTS))))
+    a, b, c = [K(i) for i in range(8)], [K(100 + i) for i in range(8)], [K(200 + i) for i in range(8)]
+    save_ready([served, plain], a, 0)
+    save_ready([served, plain], b, 1)
+    served.refresh()
+    n, slots = served._ready.run_of(P(a).array())
+    served.touched(slots)
+    served.settle()
+    plain.probe(a)
+    save_ready([served, plain], c, 2)  # saved after the lookup: more recent than a
+    served.refresh()
+    assert list(sp.victims()) == list(pp.victims()) == b[::-1] + a[::-1] + c[::-1]
+    assert served._stamped == 0 and served.odd_keys_consistent()
