@@ -1663,7 +1663,13 @@ class TieredStore:
         e = self._entries[key]
         e.demoting = False
         evict, e.evict_after = e.evict_after, False
-        self._sync_odd(key, e)
+        # Evicted (or found bad, or reset) while it was written: free the DRAM
+        # copy unless a reader holds it. Dropped, it stays odd until it goes:
+        # plain for an instant, the ready index would take it for a block
+        # that leaves its table, and flush at once for nothing.
+        drop = (evict or e.doomed) and e.pins == 0 and e.state is EntryState.READY
+        if not drop:
+            self._sync_odd(key, e)
         if evict:
             self._freeing -= 1
         if ok:
@@ -1671,9 +1677,7 @@ class TieredStore:
         elif count:
             self._c.demote_failures += 1
         e.on_ssd = ok
-        # Evicted (or found bad, or reset) while it was written: free the DRAM
-        # copy unless a reader holds it.
-        if (evict or e.doomed) and e.pins == 0 and e.state is EntryState.READY:
+        if drop:
             self._drop(key, e)
         else:
             self._sync_dirty(key, e)  # a failed copy: cleaning may try again (after any back-off)

@@ -238,23 +238,26 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
         srv = b if i % 2 else a
         results[i] = complete(srv, prompts[i % 6], max_tokens=48)["text"]
 
-    # Until the freeze, B also loads prompts 1, 3 and 5 again and again, its
-    # device cache emptied before each (a reset fails while requests run:
-    # that request is then a device hit), so that pins come until caught.
+    # Until the freeze, B also loads prompts 1, 3 and 5 again and again, and
+    # A prompts 0, 2 and 4, each device cache emptied before each request (a
+    # reset fails while requests run: that request is then a device hit), so
+    # that pins come until caught (a load's pins last one step: on a loaded
+    # machine one engine's every 2 s were missed for 120 s once).
     frozen = threading.Event()
     fed: list[tuple[int, str]] = []
 
-    def feed() -> None:
-        k = 1
+    def feed(srv: VllmServer, ks: tuple[int, ...]) -> None:
+        n = 0
         while not frozen.is_set():
-            b.reset_prefix_cache()
-            fed.append((k, complete(b, prompts[k], max_tokens=48)["text"]))
-            k = k + 2 if k < 5 else 1
+            srv.reset_prefix_cache()
+            k = ks[n % len(ks)]
+            n += 1
+            fed.append((k, complete(srv, prompts[k], max_tokens=48)["text"]))
 
-    with ThreadPoolExecutor(13) as pool:
+    with ThreadPoolExecutor(14) as pool:
         futs = [pool.submit(ask, i) for i in range(12)]
         start.set()
-        futs.append(pool.submit(feed))
+        futs += [pool.submit(feed, b, (1, 3, 5)), pool.submit(feed, a, (0, 2, 4))]
         # Both engines stopped while a load's pins are held: the service is
         # killed between a pin and the step's completion.
         try:

@@ -377,9 +377,24 @@ def test_default_configs_never_replace_a_file_kvtier_did_not_write(tmp_path: Pat
 def test_a_busy_port_is_named_before_anything_starts(tmp_path: Path) -> None:
     import socket
 
+    def free(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+            return True
+
     with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        port = busy.getsockname()[1]
+        # Instance 0's port must be free: another test's server may hold the
+        # one just below a port the kernel hands out.
+        for _ in range(50):
+            busy.bind(("127.0.0.1", 0))
+            port = busy.getsockname()[1]
+            if free(port - 1):
+                break
+            busy.close()
+            busy = socket.socket()
         s = Serve("m", 2, tmp_path / "logs", first_port=port - 1, out=lambda *_: None)
         with pytest.raises(ServerError, match=f"port {port} \\(instance 1\\)"):
             s.start()

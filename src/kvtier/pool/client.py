@@ -520,16 +520,21 @@ class PoolPlacement:
         if have is not None and have.path == path:
             return have
         if have is not None:
-            del self._maps[kind]
+            self._maps.pop(kind, None)  # shutdown() may have taken it meanwhile
             have.close()
         if not path or path == self._unmappable.get(kind):
             return None
         try:
-            self._maps[kind] = attach(path)
+            mapped = attach(path)
         except (OSError, ValueError) as err:
             log.info("kvtier: cannot map the pool's %s file %s (%s); asking the service instead", kind, path, err)
             self._unmappable[kind] = path
-        return self._maps.get(kind)
+            return None
+        if self._closed.is_set():  # shut down while it was mapped: never kept
+            mapped.close()
+            return None
+        self._maps[kind] = mapped
+        return mapped
 
     def shutdown(self) -> None:
         """Close the session; the service releases whatever it still holds of it."""
