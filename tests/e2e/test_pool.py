@@ -5,10 +5,11 @@ The service is started from MemCache-style config files, as the seeds do
 transfer config names only the connector and ``"backend": "memcache"``.
 Tests run in file order and share the processes: a prefix from A is a hit
 on B, from DRAM, then from the SSD once the pool has moved it there; the
-service is killed with -9 while an instance holds pins for a load (both
-instances stopped at that moment) and comes back with its SSD tier; then instance B is killed with -9 while it saves,
-and the service gives back everything B held; last, an instance of a second model joins A on the pool, and each
-model hits only its own blocks.
+service is killed with -9 while an instance holds pins for a load (its
+worker stopped at that moment, the other instance at work) and comes back
+with its SSD tier; then instance B is killed with -9 while it saves, and
+the service gives back everything B held; last, an instance of a second
+model joins A on the pool, and each model hits only its own blocks.
 """
 
 from __future__ import annotations
@@ -97,31 +98,16 @@ class Node:
             time.sleep(0.2)
 
 
-def freeze_while_pinned(node: Node, servers: list[VllmServer], timeout_s: float = 120) -> list[int]:
-    """Stop every process of ``servers`` (SIGSTOP) at a moment the pool
-    holds pins for a load (taken by an instance's scheduler, released when
-    its step completes) and return the processes stopped: a kill of the
-    service that follows lands while a load's lease is out, for sure."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if node.meta.health()["slots"]["pins"]:
-            pids = [p for srv in servers for p in srv.pids()]
-            signal_pids(pids, signal.SIGSTOP)
-            try:
-                # What they sent before they stopped is handled once two
-                # looks a moment apart agree.
-                slots, prev = node.meta.health()["slots"], None
-                while slots != prev and time.monotonic() < deadline:
-                    time.sleep(0.3)
-                    prev, slots = slots, node.meta.health()["slots"]
-            except BaseException:
-                signal_pids(pids, signal.SIGCONT)
-                raise
-            if slots["pins"] and slots == prev:
-                return pids
-            signal_pids(pids, signal.SIGCONT)  # the step completed in between: again
-        time.sleep(0.005)
-    raise AssertionError("the pool never held a pin for a load")
+def worker_pid(srv: VllmServer) -> int:
+    """The process of ``srv``'s worker (vLLM names it ``VLLM::Worker``):
+    it copies the loads, and reports each step to the engine."""
+    for pid in srv.pids():
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::Worker"):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no VLLM::Worker among the processes {srv.pids()} of {srv.url}")
 
 
 @pytest.fixture(scope="module")
@@ -230,23 +216,23 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
     # tokens each: the 12 requests below run long enough to be seen running
     # (with 12, pool hits could all finish between two looks).
     refs = [complete(a, p, max_tokens=48)["text"] for p in prompts]
+    # A prompt A computes last: its blocks are the newest in DRAM, and
+    # ready once A's saves are settled, so B's request for it is a DRAM hit.
+    held = tokens(46, 12 * BLOCK + 3)
+    held_ref = complete(a, held, max_tokens=48)["text"]
+    assert poll_until(lambda: not node.meta.health()["slots"]["pending"], 30), "A's saves never settled"
     results: list[str | None] = [None] * 12
-    start = threading.Event()
-
-    def ask(i: int) -> None:
-        start.wait()
-        srv = b if i % 2 else a
-        results[i] = complete(srv, prompts[i % 6], max_tokens=48)["text"]
-
-    # Until the freeze, B also loads prompts 1, 3 and 5 again and again, and
-    # A prompts 0, 2 and 4, each device cache emptied before each request (a
-    # reset fails while requests run: that request is then a device hit), so
-    # that pins come until caught (a load's pins last one step: on a loaded
-    # machine one engine's every 2 s were missed for 120 s once).
     frozen = threading.Event()
     fed: list[tuple[int, str]] = []
 
+    def ask(i: int) -> None:
+        srv = b if i % 2 else a
+        results[i] = complete(srv, prompts[i % 6], max_tokens=48)["text"]
+
     def feed(srv: VllmServer, ks: tuple[int, ...]) -> None:
+        # A's device cache emptied before each request, so that A loads too
+        # until the service is gone (a reset fails while requests run: that
+        # request is then a device hit).
         n = 0
         while not frozen.is_set():
             srv.reset_prefix_cache()
@@ -254,22 +240,29 @@ def test_meta_service_killed_during_loads_then_back_with_its_ssd_tier(node: Node
             n += 1
             fed.append((k, complete(srv, prompts[k], max_tokens=48)["text"]))
 
+    # B's worker stopped: B's engine schedules the held prompt's load, pins
+    # its blocks and waits for the worker, so the service is killed while
+    # a load's pins are out, for sure (a load's pins last one step: caught
+    # by polling, they were missed for 120 s on a loaded machine).
+    worker = worker_pid(b)
+    futs = []
     with ThreadPoolExecutor(14) as pool:
-        futs = [pool.submit(ask, i) for i in range(12)]
-        start.set()
-        futs += [pool.submit(feed, b, (1, 3, 5)), pool.submit(feed, a, (0, 2, 4))]
-        # Both engines stopped while a load's pins are held: the service is
-        # killed between a pin and the step's completion.
+        signal_pids([worker], signal.SIGSTOP)
         try:
-            stopped = freeze_while_pinned(node, [a, b])
-        finally:
-            frozen.set()
-        try:
+            on_b = pool.submit(complete, b, held, max_tokens=48)
+            assert poll_until(lambda: node.meta.health()["slots"]["pins"], 60, 0.05), "B's load pinned nothing"
+            futs = [pool.submit(ask, i) for i in range(12)] + [pool.submit(feed, a, (0, 2, 4))]
+            # A at work too when the service dies (not waited for long: B's
+            # pins end once its engine has completed no step for a lease).
+            poll_until(lambda: a.metrics().get("vllm:num_requests_running", 0) > 0, 5, 0.05)
+            assert node.meta.health()["slots"]["pins"], "B's pins ended before the kill"
             node.meta.kill()
         finally:
-            signal_pids(stopped, signal.SIGCONT)
+            frozen.set()
+            signal_pids([worker], signal.SIGCONT)
         for f in futs:
             f.result()
+        assert on_b.result()["text"] == held_ref
     # Every request completed, with the output vLLM alone gives.
     assert results == [refs[i % 6] for i in range(12)]
     assert all(text == refs[k] for k, text in fed)
