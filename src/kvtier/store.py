@@ -646,7 +646,7 @@ class TieredStore:
         with self._lock:
             self._start_ready_locked(memory)
 
-    def touched(self, slots: np.ndarray, *, lookup: bool = True) -> None:
+    def touched(self, slots: np.ndarray, *, lookup: bool = True, times: int = 1) -> None:
         """A run of plain READY DRAM blocks that an instance counted in the
         shared ready index (``slots``, first block first): counted as a
         lookup that found them (``lookup=False``: as the head of the probe
@@ -655,11 +655,12 @@ class TieredStore:
         a short one kept for :meth:`settle`. A slot whose block has left the
         index since (evicted, discarded) is passed over; one given to
         another block READY since refreshes that block instead, an
-        approximation of the recency only."""
+        approximation of the recency only. ``times``: that many lookups of
+        the run, counted as such and refreshed once."""
         n = len(slots)
         with self._lock:
-            self._c.lookups += lookup
-            self._c.lookup_hits += n
+            self._c.lookups += times if lookup else 0
+            self._c.lookup_hits += n * times
             ready = self._ready
             if ready is None or not n:
                 return

@@ -29,6 +29,7 @@ from kvtier.config import KvtierConfig
 from kvtier.keys import KeyRun
 from kvtier.pool import http as pool_http
 from kvtier.pool import service as pool_service
+from kvtier.pool import client as client_module
 from kvtier.pool import wire
 from kvtier.pool.client import PoolPlacement, PoolRefused
 from kvtier.pool.http import PoolHttp
@@ -217,26 +218,53 @@ def test_a_run_all_in_dram_is_counted_in_the_shared_index_and_told_to_the_servic
     monkeypatch.setattr(store_module, "READY_LAG_S", 0.0)  # with the next call settled
     save(a, keys(4, 1), step=2)
     sent = b._next_id
-    assert b.probe(ks) == Probe(6, 6)
-    assert b.mapped_lookups == 1 and b._next_id == sent + 1 and not b._unanswered  # one message, no reply
-    assert b.flush()  # a call after it: its answer is the next one read
-    assert service.lookups_by_instance()["b"][:2] == (12, 12)  # keys asked, found in DRAM (two lookups)
+    assert b.probe(ks) == Probe(6, 6) and b.probe(ks) == Probe(6, 6)
+    # Nothing sent yet: the lookups are told with the next call, the same
+    # run's two as one Touch (two lookups), never answered.
+    assert b.mapped_lookups == 2 and b._next_id == sent and not b._unanswered
+    assert service.lookups_by_instance()["b"][:2] == (6, 6)
+    assert b.flush()  # the Touch, then the Ping, in one send: the Ping's answer is the next one read
+    assert b._next_id == sent + 2 and not b._unanswered
+    assert service.lookups_by_instance()["b"][:2] == (18, 18)  # keys asked, found in DRAM (three lookups)
     # A last key the index does not hold: the run stops before it, and the
     # whole lookup is the service's (counted here first, it cost more).
     assert b.probe(ks + keys(3, 2)) == Probe(6, 6)
-    assert b.mapped_lookups == 1 and b.mapped_heads == 0
-    assert service.lookups_by_instance()["b"][:2] == (20, 18)
+    assert b.mapped_lookups == 2 and b.mapped_heads == 0
+    assert service.lookups_by_instance()["b"][:2] == (26, 24)
     # A block that left is not counted by the next lookup, wherever it is made.
     assert a.discard([ks[3]]) == 1
     assert a.flush()  # answered once the discard's bookkeeping is done (a lookup before it: its pin fails)
     # The last key held, one before it not: the rest is the service's to
     # count, told the head's slots (one lookup).
-    assert b.probe(ks).ready == 3 and b.mapped_lookups == 1 and b.mapped_heads == 1
+    assert b.probe(ks).ready == 3 and b.mapped_lookups == 2 and b.mapped_heads == 1
     assert b.flush()
-    assert service.lookups_by_instance()["b"][:2] == (26, 21)
-    assert b.probe(ks[:3]) == Probe(3, 3) and b.mapped_lookups == 2
+    assert service.lookups_by_instance()["b"][:2] == (32, 27)
+    assert b.probe(ks[:3]) == Probe(3, 3) and b.mapped_lookups == 3
     c = client(service, name="c", map_ready=False)
     assert c.probe(ks[:3]) == Probe(3, 3) and c.mapped_lookups == 0
+
+
+def test_lookups_held_past_their_time_or_count_go_with_the_next_lookup(
+        service: MetaService, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With no other call, the Touches held are sent by a lookup once the
+    # first has waited TOUCH_HOLD_S, or once TOUCH_RUNS runs are held.
+    a, b = client(service, name="a"), client(service, name="b")
+    runs = [keys(300 + i, 4) for i in range(3)]
+    for i, ks in enumerate(runs):
+        save(a, ks, step=1 + i)
+    service.store.refresh()
+    monkeypatch.setattr(client_module, "TOUCH_RUNS", 3)
+    sent = b._next_id
+    assert b.probe(runs[0]) == Probe(4, 4) and b.probe(runs[1]) == Probe(4, 4) and b._next_id == sent
+    assert b.probe(runs[2]) == Probe(4, 4) and b._next_id == sent + 3  # the third run held: all three sent
+    assert b.flush()
+    assert service.lookups_by_instance()["b"][:2] == (12, 12)
+    monkeypatch.setattr(client_module, "TOUCH_RUNS", 8)
+    monkeypatch.setattr(client_module, "TOUCH_HOLD_S", 0.0)
+    assert b.probe(runs[0]) == Probe(4, 4) and b._next_id == sent + 5  # due at once
+    assert b.flush()
+    assert service.lookups_by_instance()["b"][:2] == (16, 16)
+    assert b.mapped_lookups == 4
 
 
 def test_a_block_evicted_by_a_save_is_not_counted_from_the_shared_index(service: MetaService) -> None:
@@ -801,6 +829,15 @@ def test_a_touch_is_never_answered_and_one_of_broken_slots_ends_only_that_sessio
     reply = _answer(s)
     assert isinstance(reply, wire.Ok) and reply.id == 5  # the Ping's: nothing came for the Touch
     assert service.lookups_by_instance()["raw"][:2] == (4, 4)  # slots that are none are counted, not stamped
+    s.sendall(wire.encode(wire.Touch(5, np.array(slots, dtype="<i4").tobytes(), 3)))  # three lookups of the run
+    s.sendall(wire.encode(wire.Ping(6)))
+    assert isinstance(_answer(s), wire.Ok)
+    assert service.lookups_by_instance()["raw"][:2] == (10, 10)
+    s.sendall(wire.encode(wire.Touch(6, np.array(slots, dtype="<i4").tobytes(), 0)))
+    reply = _answer(s)
+    assert isinstance(reply, wire.Error) and "times" in reply.message
+    assert _answer(s) is None  # closed
+    s = _session(service, "raw")
     s.sendall(wire.encode(wire.Touch(6, b"\0" * 6)))
     reply = _answer(s)
     assert isinstance(reply, wire.Error) and "Touch.slots: 6 bytes" in reply.message
@@ -811,7 +848,7 @@ def test_a_touch_is_never_answered_and_one_of_broken_slots_ends_only_that_sessio
     reply = _answer(s)
     assert isinstance(reply, wire.Error) and "Probe.ahead: 5 bytes" in reply.message
     assert _answer(s) is None
-    assert service.bad_messages == 2
+    assert service.bad_messages == 3
 
 
 @pytest.mark.parametrize(("token", "starts"), [("", True), ("wrong", False)])

@@ -665,8 +665,8 @@ class MetaService:
             # The instance counted the run in the shared ready index and does
             # not wait: counted here for the tallies, stamped for the recency.
             slots = np.frombuffer(msg.slots, dtype="<i4").astype(np.intp)
-            store.touched(slots)
-            self._tally(s, len(slots), len(slots))
+            store.touched(slots, times=msg.times)
+            self._tally(s, len(slots) * msg.times, len(slots) * msg.times)
             reply = None
         elif isinstance(msg, wire.Probe):
             # The keys stay one buffer: the store's ready index reads them as

@@ -36,11 +36,12 @@ from kvtier.config import SECONDS_MAX
 from kvtier.keys import KEY_BYTES, KEY_DTYPE
 
 # 2: ProbeReply.remote (the cluster tier); 3: keys as one blob, Welcome.stats;
-# 4: Hello.promote_timeout_ms; 5: Welcome.ready, Touch
-PROTOCOL_VERSION = 5
+# 4: Hello.promote_timeout_ms; 5: Welcome.ready, Touch; 6: Touch.times
+PROTOCOL_VERSION = 6
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
 # An engine's steps count up from 0; a service's own reset dooms every step
 # above -2**62 (service._LOW_STEP), so no step of a session may be at or below it.
+TOUCH_TIMES_MAX = 1 << 20  # lookups one Touch may count
 Step = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 AfterStep = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]  # -1: before the first step
 PROMOTE_TIMEOUT_MS_MAX = int(SECONDS_MAX * 1000)  # the longest wait a config takes
@@ -120,10 +121,13 @@ class Touch(_Msg):
     """A lookup the instance answered itself from the ready index
     (pool/readymap.py): the DRAM slots of the run it counted, first block
     first, for the service to count as a lookup and to refresh the
-    blocks' recency. Never answered: the instance does not wait."""
+    blocks' recency. Never answered: the instance does not wait. The
+    instance sends it with its next call, not at once (pool/client.py):
+    ``times`` lookups of the same run in the meantime come as one."""
 
     id: int
     slots: Slots32
+    times: Annotated[int, msgspec.Meta(ge=1, le=TOUCH_TIMES_MAX)] = 1
 
 
 class Promote(_Msg):
