@@ -11,7 +11,8 @@ maps it read-only and counts the leading keys there itself.
 
 A run that covers the whole request is answered that way, and the
 instance tells the service what it counted without waiting for an answer
-(wire.Touch, the run's slots): the service counts the lookup for its hit
+(wire.Touch, the run's slots, sent with the instance's next call: see
+pool/client.py): the service counts the lookup for its hit
 counters and stamps the blocks for their recency, as it does for a run it
 counts itself (one array call, where counting the run again cost it as
 much as the instance's count). A run that stops early leaves the rest of
