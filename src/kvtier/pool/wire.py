@@ -39,9 +39,9 @@ from kvtier.keys import KEY_BYTES, KEY_DTYPE
 # 4: Hello.promote_timeout_ms; 5: Welcome.ready, Touch; 6: Touch.times
 PROTOCOL_VERSION = 6
 MAX_FRAME = 8 << 20  # bytes: 64k tokens of 16-token blocks are 64 KiB of keys
+TOUCH_TIMES_MAX = 1 << 20  # lookups one Touch may count
 # An engine's steps count up from 0; a service's own reset dooms every step
 # above -2**62 (service._LOW_STEP), so no step of a session may be at or below it.
-TOUCH_TIMES_MAX = 1 << 20  # lookups one Touch may count
 Step = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 AfterStep = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)]  # -1: before the first step
 PROMOTE_TIMEOUT_MS_MAX = int(SECONDS_MAX * 1000)  # the longest wait a config takes
